@@ -1,0 +1,581 @@
+"""
+prepare.py -- the FIXED harness of autoloop. Never edited by the loop.
+
+Owns everything that makes one experiment comparable to the next: the constants (sequence length,
+vocabulary, evaluation size, time budget, seed), the data, the tokenizer, the dataloader and the metric
+(`evaluate_bpb`). train.py imports from here; the autoloop controller checks this file's hash, and the
+hashes of the prepared files, against a manifest before every run.
+
+Usage:
+    python prepare.py                          # offline default: Python's standard library sources
+    python prepare.py --dataset tinystories    # online datasets: climbmix | tinystories
+    python prepare.py --dataset ~/my_corpus    # a directory of .txt / .jsonl / .parquet files
+    python prepare.py --profile tiny           # harness size: gpu | cpu | tiny (default: gpu if CUDA, else cpu)
+    python prepare.py --check                  # verify the prepared files against the manifest
+
+Environment (set by the controller): AUTOLOOP_TIME_BUDGET, AUTOLOOP_SEED, AUTOLOOP_CACHE,
+AUTOLOOP_DATASET, AUTOLOOP_PROFILE.
+"""
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import pickle
+import sys
+import sysconfig
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+# ---------------------------------------------------------------------------
+# Constants (fixed; the controller passes budget and seed through the environment)
+# ---------------------------------------------------------------------------
+
+TIME_BUDGET = float(os.environ.get("AUTOLOOP_TIME_BUDGET", "300"))  # training seconds
+SEED = int(os.environ.get("AUTOLOOP_SEED", "42"))
+CACHE_DIR = Path(os.environ.get("AUTOLOOP_CACHE") or "~/.cache/autoloop").expanduser()
+DATASET = os.environ.get("AUTOLOOP_DATASET") or "pystdlib"
+
+# Harness sizes. "gpu" is upstream-like; "cpu" fits a 2-core laptop; "tiny" is for smoke tests.
+PROFILES = {
+    "gpu": {"MAX_SEQ_LEN": 2048, "VOCAB_SIZE": 8192, "EVAL_TOKENS": 40 * 524288},
+    "cpu": {"MAX_SEQ_LEN": 256, "VOCAB_SIZE": 4096, "EVAL_TOKENS": 2**17},
+    "tiny": {"MAX_SEQ_LEN": 64, "VOCAB_SIZE": 512, "EVAL_TOKENS": 2**12},
+}
+# Small corpora cannot spare 20M validation tokens: cap the evaluation size per dataset (tokens).
+EVAL_TOKENS_CAP = {"pystdlib": 2**18}
+
+
+def _default_profile():
+    if os.environ.get("AUTOLOOP_DEVICE", "").startswith("cpu"):
+        return "cpu"
+    return "gpu" if torch.cuda.is_available() else "cpu"
+
+
+PROFILE = os.environ.get("AUTOLOOP_PROFILE") or _default_profile()
+if PROFILE not in PROFILES:
+    sys.exit(f"prepare.py: unknown AUTOLOOP_PROFILE={PROFILE!r}; choose one of {', '.join(PROFILES)}")
+MAX_SEQ_LEN = PROFILES[PROFILE]["MAX_SEQ_LEN"]  # context length (tokens)
+VOCAB_SIZE = PROFILES[PROFILE]["VOCAB_SIZE"]  # BPE vocabulary, special tokens included
+EVAL_TOKENS = min(PROFILES[PROFILE]["EVAL_TOKENS"], EVAL_TOKENS_CAP.get(DATASET, 2**40))  # val tokens per eval
+
+# BPE split pattern (GPT-4 style, digits in groups of at most two)
+SPLIT_PATTERN = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
+SPECIAL_TOKENS = [f"<|reserved_{i}|>" for i in range(4)]
+BOS_TOKEN = "<|reserved_0|>"
+
+MIN_CORPUS_BYTES = 2_000_000  # below this a corpus is too small to train and evaluate on
+VAL_PERCENT, HOLDOUT_PERCENT = 10, 5  # document split by path hash: holdout | val | train
+TRAIN_SHARD_BYTES = 64 * 2**20  # text bytes per written train shard
+
+# Online datasets: a base URL, training shard names and pinned validation shard names.
+ONLINE = {
+    "climbmix": {
+        "base_url": "https://huggingface.co/datasets/karpathy/climbmix-400b-shuffle/resolve/main",
+        "train": [f"shard_{i:05d}.parquet" for i in range(10)],
+        "val": ["shard_06542.parquet"],
+    },
+    "tinystories": {
+        "base_url": "https://huggingface.co/datasets/roneneldan/TinyStories/resolve/refs%2Fconvert%2Fparquet/default",
+        "train": [f"train/{i:04d}.parquet" for i in range(4)],
+        "val": ["validation/0000.parquet"],
+    },
+}
+
+
+def dataset_key(dataset=DATASET):
+    """Directory name under CACHE_DIR for a dataset (a local path gets a stable hashed name)."""
+    if dataset in ONLINE or dataset == "pystdlib":
+        return dataset
+    path = os.path.abspath(os.path.expanduser(dataset))
+    return f"local-{Path(path).name}-{hashlib.sha256(path.encode()).hexdigest()[:8]}"
+
+
+DATA_DIR = CACHE_DIR / dataset_key() / "data"
+TOKENIZER_DIR = CACHE_DIR / dataset_key() / f"tokenizer-{VOCAB_SIZE}"
+MANIFEST_PATH = CACHE_DIR / dataset_key() / f"manifest-{PROFILE}.json"
+
+# ---------------------------------------------------------------------------
+# Small utilities
+# ---------------------------------------------------------------------------
+
+
+def log(msg):
+    print(msg, flush=True)
+
+
+def sha256_file(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def split_of(name):
+    """Deterministic split of a document by the hash of its name: 'holdout', 'val' or 'train'."""
+    bucket = int(hashlib.sha256(name.encode()).hexdigest()[:8], 16) % 100
+    if bucket < HOLDOUT_PERCENT:
+        return "holdout"
+    return "val" if bucket < HOLDOUT_PERCENT + VAL_PERCENT else "train"
+
+
+def write_parquet_atomic(path, texts):
+    tmp = Path(f"{path}.tmp")
+    pq.write_table(pa.table({"text": pa.array(texts, pa.string())}), tmp, row_group_size=1024)
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------
+# Data sources
+# ---------------------------------------------------------------------------
+
+
+def pystdlib_documents():
+    """(relative path, text) of the running Python's standard library sources, sorted by path."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+    docs = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if skip.intersection(rel.parts[:-1]):
+            continue
+        try:
+            docs.append((rel.as_posix(), path.read_text(encoding="utf-8")))
+        except (OSError, UnicodeDecodeError):
+            continue
+    return docs
+
+
+def local_documents(directory):
+    """(name, text) of every .txt / .jsonl / .parquet document under a directory, sorted by name."""
+    root = Path(directory).expanduser()
+    if not root.is_dir():
+        sys.exit(f"prepare.py: --dataset {directory!r} is neither a known dataset nor a directory")
+    docs = []
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        rel = path.relative_to(root).as_posix()
+        if path.suffix == ".txt":
+            docs.append((rel, path.read_text(encoding="utf-8", errors="replace")))
+        elif path.suffix == ".jsonl":
+            for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
+                if line.strip():
+                    docs.append((f"{rel}:{i}", str(json.loads(line)["text"])))
+        elif path.suffix == ".parquet":
+            texts = pq.read_table(path, columns=["text"]).column("text").to_pylist()
+            docs.extend((f"{rel}:{i}", t) for i, t in enumerate(texts) if t)
+    return docs
+
+
+def fingerprint(docs):
+    """sha256 over names and contents: results are comparable only within one fingerprint."""
+    h = hashlib.sha256()
+    for name, text in docs:
+        h.update(name.encode() + b"\0" + text.encode("utf-8", "replace") + b"\0")
+    return h.hexdigest()
+
+
+def write_document_splits(docs, source):
+    """Split documents by name hash and write train shards, val.parquet and holdout.parquet."""
+    total = sum(len(t.encode("utf-8", "replace")) for _, t in docs)
+    if total < MIN_CORPUS_BYTES:
+        sys.exit(
+            f"prepare.py: the {source} corpus holds only {total / 1e6:.2f} MB of text "
+            f"(need {MIN_CORPUS_BYTES / 1e6:.0f} MB; some Python distributions strip the standard library). "
+            "Point at a directory of .txt/.jsonl/.parquet files instead: python prepare.py --dataset /path/to/dir"
+        )
+    DATA_DIR.mkdir(parents=True, exist_ok=True)
+    digest = fingerprint(docs)
+    record = DATA_DIR / "splits.json"
+    if record.exists():  # another profile already wrote these splits from the same corpus: reuse them
+        previous = json.loads(record.read_text())
+        files = [rel for key in ("train", "val", "holdout") for rel in previous[key]]
+        if previous["fingerprint"] == digest and all((DATA_DIR / rel).exists() for rel in files):
+            log(f"Data: {len(docs)} documents already split in {DATA_DIR}")
+            return previous
+    splits = {"train": [], "val": [], "holdout": []}
+    for name, text in docs:
+        splits[split_of(name)].append(text)
+    shards, current, size = [], [], 0
+    for text in splits["train"]:
+        current.append(text)
+        size += len(text)
+        if size >= TRAIN_SHARD_BYTES:
+            shards.append(current)
+            current, size = [], 0
+    if current:
+        shards.append(current)
+    for i, texts in enumerate(shards):
+        write_parquet_atomic(DATA_DIR / f"train_{i:05d}.parquet", texts)
+    write_parquet_atomic(DATA_DIR / "val.parquet", splits["val"])
+    write_parquet_atomic(DATA_DIR / "holdout.parquet", splits["holdout"])
+    log(f"Data: {len(docs)} documents, {total / 1e6:.1f} MB -> {len(shards)} train shard(s), "
+        f"{len(splits['val'])} val and {len(splits['holdout'])} holdout documents in {DATA_DIR}")
+    result = {
+        "train": [f"train_{i:05d}.parquet" for i in range(len(shards))],
+        "val": ["val.parquet"],
+        "holdout": ["holdout.parquet"],
+        "fingerprint": digest,
+    }
+    record.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def download_file(url, dest, attempts=5, timeout=60, backoff=2.0):
+    """Download url to dest atomically (a .tmp file renamed on success). Returns True on success."""
+    dest = Path(dest)
+    if dest.exists():
+        return True
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(f"{dest}.tmp")
+    for attempt in range(1, attempts + 1):
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as response, open(tmp, "wb") as f:
+                expected = response.headers.get("Content-Length")
+                for chunk in iter(lambda: response.read(1 << 20), b""):
+                    f.write(chunk)
+            if expected is not None and tmp.stat().st_size != int(expected):
+                raise OSError(f"truncated: got {tmp.stat().st_size} of {expected} bytes")
+            os.replace(tmp, dest)
+            log(f"  downloaded {dest.name}")
+            return True
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            tmp.unlink(missing_ok=True)
+            log(f"  attempt {attempt}/{attempts} failed for {url}: {e}")
+            if attempt < attempts:
+                time.sleep(backoff * 2 ** (attempt - 1))
+    return False
+
+
+def prepare_online(name, base_url=None, num_shards=None):
+    """Download training shards and the pinned validation shard; split the latter into val/holdout."""
+    spec = ONLINE[name]
+    base_url = base_url or os.environ.get("AUTOLOOP_DATA_URL") or spec["base_url"]
+    train = spec["train"][:num_shards] if num_shards else spec["train"]
+    raw = DATA_DIR / "raw"
+    wanted = train + spec["val"]
+    log(f"Data: {name}: {len(wanted)} shard(s) from {base_url}")
+    for i, rel in enumerate(wanted, 1):
+        log(f"  [{i}/{len(wanted)}] {rel}")
+        if not download_file(f"{base_url}/{rel}", raw / rel):
+            sys.exit(f"prepare.py: could not download {base_url}/{rel}; check the network (or AUTOLOOP_DATA_URL) "
+                     "and re-run: shards already downloaded are kept")
+    docs = []
+    for rel in spec["val"]:
+        texts = pq.read_table(raw / rel, columns=["text"]).column("text").to_pylist()
+        docs.extend((f"{rel}:{i}", t) for i, t in enumerate(texts))
+    val = [t for n, t in docs if split_of(n) != "holdout"]
+    holdout = [t for n, t in docs if split_of(n) == "holdout"]
+    write_parquet_atomic(DATA_DIR / "val.parquet", val)
+    write_parquet_atomic(DATA_DIR / "holdout.parquet", holdout)
+    h = hashlib.sha256()
+    for rel in wanted:
+        h.update(rel.encode() + b"\0" + sha256_file(raw / rel).encode())
+    return {"train": [f"raw/{rel}" for rel in train], "val": ["val.parquet"], "holdout": ["holdout.parquet"],
+            "fingerprint": h.hexdigest()}
+
+
+# ---------------------------------------------------------------------------
+# Tokenizer
+# ---------------------------------------------------------------------------
+
+
+def iter_split_texts(files, max_chars=None, doc_cap=None):
+    nchars = 0
+    for rel in files:
+        pf = pq.ParquetFile(DATA_DIR / rel)
+        for rg in range(pf.num_row_groups):
+            for text in pf.read_row_group(rg, columns=["text"]).column("text").to_pylist():
+                text = text[:doc_cap] if doc_cap else text
+                nchars += len(text)
+                yield text
+                if max_chars and nchars >= max_chars:
+                    return
+
+
+def train_tokenizer(train_files):
+    """Train a BPE with rustbpe on the train split and save it as a tiktoken encoding + token byte lengths."""
+    import rustbpe
+    import tiktoken
+
+    t0 = time.time()
+    log(f"Tokenizer: training a {VOCAB_SIZE}-token BPE ...")
+    bpe = rustbpe.Tokenizer()
+    bpe.train_from_iterator(iter_split_texts(train_files, max_chars=1_000_000_000, doc_cap=10_000), VOCAB_SIZE - len(SPECIAL_TOKENS),
+                            pattern=SPLIT_PATTERN)
+    ranks = {bytes(k): v for k, v in bpe.get_mergeable_ranks()}
+    specials = {name: len(ranks) + i for i, name in enumerate(SPECIAL_TOKENS)}
+    enc = tiktoken.Encoding(name="autoloop", pat_str=bpe.get_pattern(), mergeable_ranks=ranks, special_tokens=specials)
+    TOKENIZER_DIR.mkdir(parents=True, exist_ok=True)
+    tmp = TOKENIZER_DIR / "tokenizer.pkl.tmp"
+    with open(tmp, "wb") as f:
+        pickle.dump(enc, f)
+    os.replace(tmp, TOKENIZER_DIR / "tokenizer.pkl")
+    nbytes = [0 if i in specials.values() else len(enc.decode_single_token_bytes(i)) for i in range(enc.n_vocab)]
+    torch.save(torch.tensor(nbytes, dtype=torch.int32), TOKENIZER_DIR / "token_bytes.pt.tmp")
+    os.replace(TOKENIZER_DIR / "token_bytes.pt.tmp", TOKENIZER_DIR / "token_bytes.pt")
+    sample = "def f(x):\n    return x ** 2  # Unicode: ünïcödé"
+    assert enc.decode(enc.encode_ordinary(sample)) == sample, "tokenizer round trip failed"
+    log(f"Tokenizer: vocab {enc.n_vocab} trained in {time.time() - t0:.1f}s -> {TOKENIZER_DIR}")
+
+
+# ---------------------------------------------------------------------------
+# Manifest: what the controller verifies before every run
+# ---------------------------------------------------------------------------
+
+
+def manifest_files(splits):
+    files = {f"data/{rel}": DATA_DIR / rel for key in ("train", "val", "holdout") for rel in splits[key]}
+    for name in ("tokenizer.pkl", "token_bytes.pt"):
+        files[f"{TOKENIZER_DIR.name}/{name}"] = TOKENIZER_DIR / name
+    return files
+
+
+def write_manifest(splits):
+    manifest = {
+        "dataset": DATASET,
+        "profile": PROFILE,
+        "constants": {"MAX_SEQ_LEN": MAX_SEQ_LEN, "VOCAB_SIZE": VOCAB_SIZE, "EVAL_TOKENS": EVAL_TOKENS},
+        "fingerprint": splits["fingerprint"],
+        "splits": {k: splits[k] for k in ("train", "val", "holdout")},
+        "prepare_sha256": sha256_file(__file__),
+        "root": str(MANIFEST_PATH.parent),
+        "files": {rel: sha256_file(path) for rel, path in manifest_files(splits).items()},
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    tmp = MANIFEST_PATH.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    os.replace(tmp, MANIFEST_PATH)
+    return manifest
+
+
+def load_manifest():
+    if not MANIFEST_PATH.exists():
+        raise FileNotFoundError(
+            f"no prepared data for dataset {DATASET!r}, profile {PROFILE!r} (looked for {MANIFEST_PATH}); "
+            f"run: python prepare.py --dataset {DATASET} --profile {PROFILE}")
+    return json.loads(MANIFEST_PATH.read_text())
+
+
+def verify_manifest(manifest=None):
+    """Problems with the prepared files and prepare.py versus the manifest; an empty list means all is well."""
+    manifest = manifest or load_manifest()
+    root = Path(manifest["root"])
+    problems = []
+    if sha256_file(__file__) != manifest["prepare_sha256"]:
+        problems.append("prepare.py changed since the data was prepared")
+    for rel, digest in sorted(manifest["files"].items()):
+        path = root / rel
+        if not path.exists():
+            problems.append(f"missing prepared file {rel}")
+        elif sha256_file(path) != digest:
+            problems.append(f"prepared file {rel} changed")
+    return problems
+
+
+def prepare(dataset=DATASET, num_shards=None, base_url=None, force=False):
+    """Make the data, tokenizer and manifest for the current dataset and profile; idempotent."""
+    t0 = time.time()
+    log(f"Preparing dataset {dataset!r}, profile {PROFILE!r} in {CACHE_DIR}")
+    if MANIFEST_PATH.exists() and not force and not verify_manifest():
+        log(f"Already prepared and verified: {MANIFEST_PATH}")
+        return load_manifest()
+    if dataset == "pystdlib":
+        splits = write_document_splits(pystdlib_documents(), "Python standard library")
+    elif dataset in ONLINE:
+        splits = prepare_online(dataset, base_url=base_url, num_shards=num_shards)
+    else:
+        splits = write_document_splits(local_documents(dataset), dataset)
+    train_tokenizer(splits["train"])
+    val_tokens = sum(len(ids) for ids in Tokenizer.from_directory().encode(list(iter_split_texts(splits["val"]))))
+    if val_tokens < EVAL_TOKENS * 1.05:
+        sys.exit(f"prepare.py: the validation split has {val_tokens} tokens but the evaluation needs "
+                 f"{EVAL_TOKENS}; use a larger corpus or a smaller profile (--profile tiny)")
+    manifest = write_manifest(splits)
+    log(f"Done in {time.time() - t0:.1f}s: {val_tokens} validation tokens, fingerprint "
+        f"{manifest['fingerprint'][:12]}, manifest {MANIFEST_PATH}")
+    return manifest
+
+
+# ---------------------------------------------------------------------------
+# Runtime utilities (imported by train.py)
+# ---------------------------------------------------------------------------
+
+
+class Tokenizer:
+    """The prepared BPE (a tiktoken Encoding) with a BOS token."""
+
+    def __init__(self, enc):
+        self.enc = enc
+        self.bos_token_id = enc.encode_single_token(BOS_TOKEN)
+
+    @classmethod
+    def from_directory(cls, tokenizer_dir=TOKENIZER_DIR):
+        with open(Path(tokenizer_dir) / "tokenizer.pkl", "rb") as f:
+            return cls(pickle.load(f))
+
+    def get_vocab_size(self):
+        return self.enc.n_vocab
+
+    def get_bos_token_id(self):
+        return self.bos_token_id
+
+    def encode(self, text, prepend=None, num_threads=4):
+        if isinstance(text, str):
+            ids = self.enc.encode_ordinary(text)
+            return [prepend, *ids] if prepend is not None else ids
+        ids = self.enc.encode_ordinary_batch(text, num_threads=num_threads)
+        return [[prepend, *row] for row in ids] if prepend is not None else ids
+
+    def decode(self, ids):
+        return self.enc.decode(ids)
+
+
+def get_token_bytes(device="cpu"):
+    return torch.load(TOKENIZER_DIR / "token_bytes.pt", map_location=device)
+
+
+def _split_files(split):
+    return [DATA_DIR / rel for rel in load_manifest()["splits"][split]]
+
+
+def _document_batches(split, batch_docs=128, loop=True):
+    """Batches of documents of a split; the train split repeats forever (epochs), others pass once."""
+    paths = _split_files(split)
+    epoch = 1
+    while True:
+        for path in paths:
+            pf = pq.ParquetFile(path)
+            for rg in range(pf.num_row_groups):
+                texts = pf.read_row_group(rg, columns=["text"]).column("text").to_pylist()
+                for i in range(0, len(texts), batch_docs):
+                    yield texts[i:i + batch_docs], epoch
+        if not loop:
+            return
+        epoch += 1
+
+
+def make_dataloader(tokenizer, B, T, split, buffer_size=1000, device=None):
+    """
+    BOS-aligned best-fit packing: every row starts with BOS; documents fill rows best-fit first, and
+    when none fits the shortest is cropped to fill the row exactly (no padding). Documents longer than
+    a row are cut into BOS-led pieces first, so long files are not mostly thrown away.
+    Yields (inputs, targets, epoch) on `device`; the train split repeats forever, val/holdout pass once.
+    """
+    assert split in ("train", "val", "holdout")
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    on_cuda = device.type == "cuda"
+    row_capacity = T + 1
+    batches = _document_batches(split, loop=(split == "train"))
+    bos = tokenizer.get_bos_token_id()
+    buffer, epoch, exhausted = [], 1, False
+
+    def refill():
+        nonlocal epoch, exhausted
+        try:
+            docs, epoch = next(batches)
+        except StopIteration:
+            exhausted = True
+            return
+        for ids in tokenizer.encode(docs):
+            for start in range(0, max(len(ids), 1), row_capacity - 1):
+                buffer.append([bos, *ids[start:start + row_capacity - 1]])
+
+    rows = torch.empty((B, row_capacity), dtype=torch.long)
+    host = torch.empty(2 * B * T, dtype=torch.long, pin_memory=on_cuda)
+    while True:
+        for r in range(B):
+            pos = 0
+            while pos < row_capacity:
+                while len(buffer) < buffer_size and not exhausted:
+                    refill()
+                if not buffer:
+                    return  # a single-pass split ran out of documents
+                remaining = row_capacity - pos
+                best, best_len = -1, 0
+                for i, doc in enumerate(buffer):
+                    if best_len < len(doc) <= remaining:
+                        best, best_len = i, len(doc)
+                if best < 0:
+                    best = min(range(len(buffer)), key=lambda i: len(buffer[i]))
+                doc = buffer.pop(best)[:remaining]
+                rows[r, pos:pos + len(doc)] = torch.tensor(doc, dtype=torch.long)
+                pos += len(doc)
+        host[:B * T].view(B, T).copy_(rows[:, :-1])
+        host[B * T:].view(B, T).copy_(rows[:, 1:])
+        batch = host.to(device, non_blocking=on_cuda) if on_cuda else host.clone()
+        yield batch[:B * T].view(B, T), batch[B * T:].view(B, T), epoch
+
+
+# ---------------------------------------------------------------------------
+# Evaluation (the fixed metric)
+# ---------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def _evaluate_split_bpb(model, tokenizer, batch_size, split):
+    device = next(model.parameters()).device
+    token_bytes = get_token_bytes(device=device)
+    loader = make_dataloader(tokenizer, batch_size, MAX_SEQ_LEN, split, device=device)
+    steps = max(1, EVAL_TOKENS // (batch_size * MAX_SEQ_LEN))
+    total_nats, total_bytes = 0.0, 0
+    for _ in range(steps):
+        x, y, _ = next(loader)
+        loss = model(x, y, reduction="none").view(-1).float()
+        nbytes = token_bytes[y.view(-1)]
+        total_nats += (loss * (nbytes > 0)).sum().item()
+        total_bytes += nbytes.sum().item()
+    return total_nats / (math.log(2) * total_bytes)
+
+
+def evaluate_bpb(model, tokenizer, batch_size):
+    """
+    Validation bits per byte, the fixed metric: summed per-token cross-entropy (nats) over the summed UTF-8
+    byte length of the target tokens (special tokens excluded), on EVAL_TOKENS tokens of the pinned validation
+    split at MAX_SEQ_LEN. Independent of the vocabulary, so comparable across tokenizers.
+    """
+    return _evaluate_split_bpb(model, tokenizer, batch_size, "val")
+
+
+def evaluate_holdout_bpb(model, tokenizer, batch_size):
+    """The same metric on the held-out split that no experiment is selected on."""
+    return _evaluate_split_bpb(model, tokenizer, batch_size, "holdout")
+
+
+# ---------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="Prepare data and tokenizer for autoloop (the fixed harness)")
+    parser.add_argument("--dataset", default=DATASET,
+                        help="pystdlib (default, offline) | climbmix | tinystories | path to a directory")
+    parser.add_argument("--profile", default=None, choices=sorted(PROFILES),
+                        help="harness size (default: gpu if CUDA is available, else cpu)")
+    parser.add_argument("--num-shards", type=int, default=None, help="online datasets: training shards to fetch")
+    parser.add_argument("--base-url", default=None, help="online datasets: mirror to download from")
+    parser.add_argument("--force", action="store_true", help="prepare again even if the manifest verifies")
+    parser.add_argument("--check", action="store_true", help="only verify the prepared files; exit 1 on mismatch")
+    args = parser.parse_args()
+    if (args.dataset != DATASET or (args.profile and args.profile != PROFILE)) and not os.environ.get("_AUTOLOOP_REEXEC"):
+        # Module constants derive from the environment: re-run with it set, so there is one source of truth.
+        env = dict(os.environ, AUTOLOOP_DATASET=args.dataset, AUTOLOOP_PROFILE=args.profile or PROFILE,
+                   _AUTOLOOP_REEXEC="1")
+        os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]], env)
+    if args.check:
+        try:
+            problems = verify_manifest()
+        except FileNotFoundError as e:
+            sys.exit(f"prepare.py: {e}")
+        for p in problems:
+            log(f"MISMATCH: {p}")
+        log("OK: prepared files match the manifest" if not problems else "FAILED")
+        sys.exit(1 if problems else 0)
+    prepare(args.dataset, num_shards=args.num_shards, base_url=args.base_url, force=args.force)
