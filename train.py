@@ -35,7 +35,7 @@ def per_profile(**values):
 
 
 # ---------------------------------------------------------------------------
-# Hyperparameters (edit these directly; a trailing "# [lo, hi]" or "# {a, b}" bounds the search)
+# Hyperparameters (edit these directly; a trailing "# [lo, hi]", "# {a, b}" or "# [fixed]" guides the search)
 # ---------------------------------------------------------------------------
 
 # Model size
@@ -62,7 +62,7 @@ FINAL_LR_FRAC = 0.0  # LR at the end as a share of the peak  [0.0, 0.5]
 LOGIT_CAP = 15.0  # soft cap on the output logits  [5.0, 50.0]
 
 # Evaluation
-FINAL_EVAL_BATCH_SIZE = per_profile(gpu=256, cpu=32, tiny=16)  # sequences per eval forward (speed only)
+FINAL_EVAL_BATCH_SIZE = per_profile(gpu=256, cpu=32, tiny=16)  # sequences per eval forward (speed only)  [fixed]
 
 # ---------------------------------------------------------------------------
 # Device, precision, attention kernel

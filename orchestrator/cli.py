@@ -1,0 +1,147 @@
+"""The `autoloop` command line. Precedence for every option: command line > AUTOLOOP_* env > [tool.autoloop] > default."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import click
+from click.core import ParameterSource
+
+from . import LoopError, __version__
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def default_tag() -> str:
+    return time.strftime("%b%d").lower()  # e.g. nov30
+
+
+def pyproject_settings(repo: Path) -> dict:
+    path = repo / "pyproject.toml"
+    if not path.exists():
+        return {}
+    try:
+        data = tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, OSError) as e:
+        raise click.ClickException(f"cannot read {path}: {e}; fix the file or remove its [tool.autoloop] table")
+    return data.get("tool", {}).get("autoloop", {})
+
+
+def apply_pyproject(ctx: click.Context, values: dict, repo: Path) -> dict:
+    """Fill options left at their defaults from [tool.autoloop] in the repo's pyproject.toml."""
+    config = pyproject_settings(repo)
+    params = {p.name: p for p in ctx.command.params}
+    for key, raw in config.items():
+        name = key.replace("-", "_")
+        if name not in params or name == "repo":
+            known = ", ".join(sorted(n.replace("_", "-") for n in params if n != "repo"))
+            if ctx.command.name == "run":
+                raise click.ClickException(f"unknown key {key!r} in [tool.autoloop] of {repo / 'pyproject.toml'}; "
+                                           f"known keys: {known}")
+            continue
+        if ctx.get_parameter_source(name) == ParameterSource.DEFAULT:
+            try:
+                values[name] = params[name].type_cast_value(ctx, raw)
+            except click.BadParameter as e:
+                raise click.ClickException(f"[tool.autoloop] {key} = {raw!r} in {repo / 'pyproject.toml'}: "
+                                           f"{e.message}")
+    return values
+
+
+def resolve_repo(repo: Path) -> Path:
+    return repo.expanduser().resolve()
+
+
+def check_tag(ctx, param, value):
+    if value is not None and not TAG_RE.match(value):
+        raise click.BadParameter("use letters, digits, '.', '_' or '-' (it names a git branch)")
+    return value
+
+
+repo_option = click.option("--repo", type=click.Path(file_okay=False, path_type=Path), default=Path("."),
+                           envvar="AUTOLOOP_REPO", show_envvar=True,
+                           help="The git repository holding train.py and prepare.py.  [default: .]")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(__version__, prog_name="autoloop")
+def main() -> None:
+    """autoloop: an autonomous research loop over train.py.
+
+    It edits train.py, commits, trains under a fixed budget, reads val_bpb, keeps the commit if it improved
+    or resets it, and logs every experiment to results.tsv.
+    """
+
+
+@main.command()
+@click.option("--budget", type=click.FloatRange(min=0, min_open=True), default=300.0, show_default=True,
+              envvar="AUTOLOOP_BUDGET", show_envvar=True,
+              help="Training seconds per experiment (passed to train.py as AUTOLOOP_TIME_BUDGET).")
+@click.option("--max-experiments", type=click.IntRange(min=1), envvar="AUTOLOOP_MAX_EXPERIMENTS", show_envvar=True,
+              help="Stop once the session holds this many experiments (the baseline included).")
+@click.option("--max-hours", type=click.FloatRange(min=0, min_open=True), envvar="AUTOLOOP_MAX_HOURS",
+              show_envvar=True, help="Stop starting new experiments after this many hours.")
+@click.option("--proposer", default="perturb", show_default=True, envvar="AUTOLOOP_PROPOSER", show_envvar=True,
+              help="Where ideas come from (see `autoloop proposers`).")
+@click.option("--tag", callback=check_tag, envvar="AUTOLOOP_TAG", show_envvar=True,
+              help="Session name; the loop works on branch autoloop/<tag>.  [default: today, e.g. nov30]")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), envvar="AUTOLOOP_TIMEOUT", show_envvar=True,
+              help="Hard limit per run in seconds; the run's whole process tree is killed.  [default: 2 x budget + 120]")
+@repo_option
+@click.option("--profile", type=click.Choice(["gpu", "cpu", "tiny"]), envvar="AUTOLOOP_PROFILE", show_envvar=True,
+              help="Harness size (prepare.py).  [default: gpu with CUDA, else cpu]")
+@click.option("--dataset", envvar="AUTOLOOP_DATASET", show_envvar=True,
+              help="pystdlib | climbmix | tinystories | a directory of .txt/.jsonl/.parquet.  [default: pystdlib]")
+@click.option("--seed", type=int, default=42, show_default=True, envvar="AUTOLOOP_SEED", show_envvar=True,
+              help="Seed passed to every run (AUTOLOOP_SEED); owned by the controller, not train.py.")
+@click.pass_context
+def run(ctx: click.Context, **values) -> None:
+    """Run the loop until a limit, the proposer runs dry, or Ctrl-C. Re-run the same command to resume."""
+    from .loop import Settings, run_loop
+
+    repo = resolve_repo(values.pop("repo"))
+    values = apply_pyproject(ctx, values, repo)
+    settings = Settings(repo=repo, tag=values["tag"] or default_tag(), budget=values["budget"],
+                        timeout=values["timeout"], max_experiments=values["max_experiments"],
+                        max_hours=values["max_hours"], proposer=values["proposer"], profile=values["profile"],
+                        dataset=values["dataset"], seed=values["seed"])
+    try:
+        run_loop(settings, echo=lambda line: click.echo(line))
+    except LoopError as e:
+        raise click.ClickException(str(e)) from None
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+@main.command()
+@repo_option
+@click.option("--tag", callback=check_tag, envvar="AUTOLOOP_TAG", help="Session to show.  [default: the latest]")
+@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
+def status(repo: Path, tag: str | None, as_json: bool) -> None:
+    """Show where a loop stands: running or not, experiments done, the best result, the current experiment."""
+    from .status import collect, render
+
+    repo = resolve_repo(repo)
+    try:
+        info = collect(repo, tag)
+    except LoopError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(json.dumps(info, indent=1) if as_json else render(info))
+
+
+@main.command()
+def proposers() -> None:
+    """List the proposers that are installed."""
+    from .proposers import available
+
+    for name in available():
+        click.echo(name)

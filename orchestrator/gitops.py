@@ -1,0 +1,113 @@
+"""Git helpers (gitpython): the loop's branch lives in its own worktree; every tried commit stays reachable."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import git
+
+from . import LoopError
+
+PROTECTED = ("train.py", "prepare.py")
+IDENTITY = ("-c", "user.name=autoloop", "-c", "user.email=autoloop@localhost")
+
+
+def open_repo(path: Path) -> git.Repo:
+    try:
+        repo = git.Repo(path, search_parent_directories=False)
+    except (git.InvalidGitRepositoryError, git.NoSuchPathError):
+        raise LoopError(f"{path} is not a git repository; run `git init && git add -A && git commit -m init` "
+                        "there, or pass --repo PATH") from None
+    if not repo.head.is_valid():
+        raise LoopError(f"{path} has no commits yet; commit train.py and prepare.py first "
+                        "(git add -A && git commit -m init)")
+    return repo
+
+
+def require_clean(repo: git.Repo, files=PROTECTED) -> None:
+    """Refuse to start when train.py / prepare.py differ from HEAD: the loop starts from a commit."""
+    dirty = [f for f in files if repo.git.status("--porcelain", "--", f).strip()]
+    if dirty:
+        names = " and ".join(dirty)
+        raise LoopError(f"uncommitted changes to {names}; the loop starts from your last commit. "
+                        f"Commit them (git commit -am 'baseline') or discard them (git checkout -- {' '.join(dirty)})")
+    if not (Path(repo.working_tree_dir) / "train.py").exists():
+        raise LoopError(f"no train.py in {repo.working_tree_dir}; autoloop edits a train.py at the repo root")
+
+
+def exclude_state(repo: git.Repo) -> None:
+    """Keep autoloop's files out of `git status` without touching any tracked file (.git/info/exclude)."""
+    exclude = Path(repo.common_dir) / "info" / "exclude"
+    exclude.parent.mkdir(parents=True, exist_ok=True)
+    text = exclude.read_text() if exclude.exists() else ""
+    missing = [p for p in ("/.autoloop/", "/results.tsv") if p not in text.split()]
+    if missing:
+        exclude.write_text(text + ("" if text.endswith("\n") or not text else "\n") + "\n".join(missing) + "\n")
+
+
+def _git(repo: git.Repo, *args: str) -> str:
+    """Run git with a fallback identity, so commits work on machines without user.name configured."""
+    return repo.git.execute(["git", *IDENTITY, *args])
+
+
+def ensure_worktree(repo: git.Repo, tag: str, path: Path) -> git.Repo:
+    """The worktree of branch autoloop/<tag> at path: reused, re-attached or created from HEAD."""
+    branch = f"autoloop/{tag}"
+    repo.git.worktree("prune")
+    if (path / ".git").exists():
+        wt = git.Repo(path)
+        if wt.active_branch.name != branch:
+            raise LoopError(f"{path} is checked out on {wt.active_branch.name}, not {branch}; remove it "
+                            f"(git worktree remove --force {path}) and retry")
+        return wt
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        if branch in [h.name for h in repo.heads]:
+            repo.git.worktree("add", str(path), branch)
+        else:
+            repo.git.worktree("add", "-b", branch, str(path), "HEAD")
+    except git.GitCommandError as e:
+        raise LoopError(f"could not create the worktree for {branch} at {path}: {e.stderr.strip()}") from None
+    return git.Repo(path)
+
+
+def changed_files(wt: git.Repo) -> list[str]:
+    """Paths that differ from HEAD in the worktree, untracked included."""
+    out = wt.git.status("--porcelain", "-uall", "--no-renames")
+    return sorted({line[3:].strip().strip('"') for line in out.splitlines() if line.strip()})
+
+
+def modified_tracked(wt: git.Repo) -> list[str]:
+    """Tracked files that differ from HEAD (what a run must never change)."""
+    return wt.git.diff("--name-only", "HEAD").split()
+
+
+def commit_all(wt: git.Repo, message: str) -> str:
+    """Commit everything in the worktree (an unchanged tree still gets its own commit); returns the hash."""
+    wt.git.add("-A")
+    _git(wt, "commit", "-q", "--allow-empty", "--no-verify", "-m", message)
+    return wt.head.commit.hexsha
+
+
+def reset_to(wt: git.Repo, commit: str) -> None:
+    """Point the branch at commit and make the worktree exactly that commit (untracked files removed)."""
+    wt.git.reset("--hard", "-q", commit)
+    wt.git.clean("-fdq")
+
+
+def clean(wt: git.Repo) -> None:
+    """Remove files a run left behind, and restore tracked files it changed, keeping HEAD."""
+    wt.git.checkout("--", ".")
+    wt.git.clean("-fdq")
+
+
+def mark_tried(repo: git.Repo, tag: str, n: int, commit: str) -> None:
+    repo.git.update_ref(f"refs/autoloop/{tag}/tried/{n}", commit)
+
+
+def is_ancestor(repo: git.Repo, commit: str, of: str) -> bool:
+    try:
+        repo.git.merge_base("--is-ancestor", commit, of)
+        return True
+    except git.GitCommandError:
+        return False

@@ -1,0 +1,91 @@
+"""The controller's view of the fixed harness (prepare.py): environment, preparation, integrity checks."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import LoopError
+
+_QUERY = """
+import json, prepare
+print("AUTOLOOP_HARNESS " + json.dumps({
+    "manifest": str(getattr(prepare, "MANIFEST_PATH", "") or ""),
+    "profile": getattr(prepare, "PROFILE", None),
+    "time_budget": getattr(prepare, "TIME_BUDGET", None),
+}))
+"""
+
+
+@dataclass
+class HarnessInfo:
+    manifest: Path | None  # None for harnesses without one (e.g. upstream autoresearch)
+    profile: str | None
+    time_budget: float | None
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def run_env(budget: float, seed: int, profile: str | None, dataset: str | None, cache: str | None) -> dict[str, str]:
+    """The environment every harness and training process gets: budget, seed, cache, data, profile."""
+    env = dict(os.environ)
+    env.update(AUTOLOOP_TIME_BUDGET=f"{budget:g}", AUTOLOOP_SEED=str(seed), PYTHONUNBUFFERED="1")
+    for key, value in (("AUTOLOOP_PROFILE", profile), ("AUTOLOOP_DATASET", dataset), ("AUTOLOOP_CACHE", cache)):
+        if value:
+            env[key] = value
+    return env
+
+
+def query(workdir: Path, env: dict[str, str]) -> HarnessInfo:
+    """Ask prepare.py (in a subprocess, as train.py will see it) where its manifest lives."""
+    if not (workdir / "prepare.py").exists():
+        return HarnessInfo(None, None, None)
+    proc = subprocess.run([sys.executable, "-c", _QUERY], cwd=workdir, env=env, capture_output=True, text=True)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("AUTOLOOP_HARNESS ")), None)
+    if proc.returncode != 0 or line is None:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        raise LoopError("prepare.py could not be imported with this Python "
+                        f"({sys.executable}): {' | '.join(tail)}. Install the project (pip install -e .) "
+                        "or fix prepare.py")
+    data = json.loads(line.split(" ", 1)[1])
+    return HarnessInfo(Path(data["manifest"]) if data["manifest"] else None, data["profile"], data["time_budget"])
+
+
+def verify(manifest_path: Path) -> list[str]:
+    """Problems of the prepared files against the manifest (controller-side hashing); [] when all match."""
+    if not manifest_path.exists():
+        return [f"no manifest at {manifest_path}"]
+    manifest = json.loads(manifest_path.read_text())
+    root = Path(manifest["root"])
+    problems = []
+    for rel, digest in sorted(manifest["files"].items()):
+        path = root / rel
+        if not path.exists():
+            problems.append(f"missing prepared file {rel}")
+        elif sha256_file(path) != digest:
+            problems.append(f"prepared file {rel} changed")
+    return problems
+
+
+def prepare(workdir: Path, env: dict[str, str], echo=print) -> None:
+    """Run `python prepare.py`, streaming its progress to the console."""
+    echo("autoloop: preparing data (first run only) ...")
+    proc = subprocess.Popen([sys.executable, "prepare.py"], cwd=workdir, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    tail: list[str] = []
+    for line in proc.stdout:
+        echo("  " + line.rstrip())
+        tail = (tail + [line.rstrip()])[-5:]
+    if proc.wait() != 0:
+        raise LoopError(f"prepare.py failed (exit {proc.returncode}): {' | '.join(tail)}")

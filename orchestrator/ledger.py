@@ -1,0 +1,121 @@
+"""The ledger: results.tsv (one row per experiment, append-only, fsync'd) and per-run record.json files."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+COLUMNS = ("commit", "val_bpb", "memory_gb", "mfu_percent", "status", "description")
+STATUSES = ("keep", "discard", "crash")
+
+
+@dataclass
+class Row:
+    commit: str
+    val_bpb: float
+    memory_gb: float
+    mfu_percent: float
+    status: str
+    description: str
+
+    def to_line(self) -> str:
+        desc = " ".join(self.description.replace("\t", " ").split())  # no tabs or newlines, ever
+        return (f"{self.commit[:7]}\t{self.val_bpb:.6f}\t{self.memory_gb:.1f}\t{self.mfu_percent:.2f}\t"
+                f"{self.status}\t{desc}\n")
+
+
+@dataclass
+class Record:
+    """Everything about one experiment that does not fit in a row (record.json)."""
+
+    n: int
+    status: str
+    description: str
+    commit: str = ""
+    parent: str = ""
+    reason: str = ""
+    val_bpb: float | None = None
+    metrics: dict = field(default_factory=dict)
+    proposer: str = ""
+    started: float = 0.0
+    ended: float = 0.0
+    timings: dict = field(default_factory=dict)  # seconds: propose, check, git, train, record
+    exit_code: int | None = None
+    timed_out: bool = False
+    best_before: float | None = None
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def repair_tail(path: Path) -> None:
+    """Drop a partial last line (a write cut short by a kill), so the next append starts on a fresh line."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    data = path.read_bytes()
+    if not data.endswith(b"\n"):
+        with open(path, "r+b") as f:
+            f.truncate(data.rfind(b"\n") + 1)
+            os.fsync(f.fileno())
+
+
+def ensure_header(path: Path) -> None:
+    repair_tail(path)
+    if not path.exists() or path.stat().st_size == 0:
+        append_line(path, "\t".join(COLUMNS) + "\n")
+
+
+def append_line(path: Path, line: str) -> None:
+    """One write of a whole line with O_APPEND, then fsync: a row is either there or not."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line.encode("utf-8"))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def append_row(path: Path, row: Row) -> None:
+    ensure_header(path)
+    append_line(path, row.to_line())
+
+
+def read_rows(path: Path) -> list[Row]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines()[1:]:
+        parts = line.split("\t")
+        if len(parts) < len(COLUMNS) or not line:
+            continue
+        commit, bpb, mem, mfu, status, desc = parts[:6]
+        rows.append(Row(commit, float(bpb), float(mem), float(mfu), status, desc))
+    return rows
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1, sort_keys=True, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def write_record(run_dir: Path, record: Record) -> None:
+    write_json_atomic(run_dir / "record.json", asdict(record))
+
+
+def read_record(run_dir: Path) -> Record | None:
+    try:
+        return Record(**json.loads((run_dir / "record.json").read_text()))
+    except (OSError, ValueError, TypeError):
+        return None

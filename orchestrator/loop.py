@@ -1,0 +1,374 @@
+"""The controller loop: propose -> check -> commit -> run -> parse -> decide -> record, resumable at any point."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import psutil
+
+from . import LoopError, gitops, harness
+from .ledger import Record, Row, append_row, ensure_header, read_record, read_rows, write_json_atomic, write_record
+from .proposers import Context, Proposer, load
+from .runner import kill_tree, run_command
+from .session import Lock, Paths, read_status, write_status
+from .summary import last_error_line, parse_summary, val_bpb_of
+
+DEFAULT_GRACE_S = 120.0  # start-up and evaluation on top of twice the training budget
+
+
+@dataclass
+class Settings:
+    repo: Path
+    tag: str
+    budget: float = 300.0
+    timeout: float | None = None  # hard timeout per run (seconds); default 2 x budget + grace
+    max_experiments: int | None = None
+    max_hours: float | None = None
+    proposer: str = "perturb"
+    profile: str | None = None
+    dataset: str | None = None
+    seed: int = 42
+    cache: str | None = None
+
+    @property
+    def hard_timeout(self) -> float:
+        return self.timeout if self.timeout else 2 * self.budget + DEFAULT_GRACE_S
+
+
+@dataclass
+class State:
+    """What the loop knows, rebuilt from results.tsv + run records + git on every start."""
+
+    records: list[Record] = field(default_factory=list)
+    start_commit: str = ""
+    best_commit: str = ""
+    best_bpb: float | None = None
+    baseline_bpb: float | None = None
+
+    @property
+    def done(self) -> int:
+        return len(self.records)
+
+    def add(self, record: Record) -> None:
+        self.records.append(record)
+        if record.status == "keep":
+            self.best_commit, self.best_bpb = record.commit, record.val_bpb
+            if self.baseline_bpb is None:
+                self.baseline_bpb = record.val_bpb
+
+
+def decide(val_bpb: float | None, best_bpb: float | None) -> str:
+    """keep | discard | crash. The one place the keep rule lives (strictly lower than the best kept)."""
+    if val_bpb is None:
+        return "crash"
+    if best_bpb is None or val_bpb < best_bpb:
+        return "keep"
+    return "discard"
+
+
+# ---------------------------------------------------------------------------
+# Session set-up and resume
+# ---------------------------------------------------------------------------
+
+
+class Session:
+    def __init__(self, settings: Settings, echo: Callable[[str], None]):
+        self.settings, self.echo = settings, echo
+        self.paths = Paths(settings.repo, settings.tag)
+        self.repo = gitops.open_repo(settings.repo)
+        self.env = harness.run_env(settings.budget, settings.seed, settings.profile, settings.dataset, settings.cache)
+        self.wt = None
+        self.info: harness.HarnessInfo | None = None
+        self.prepare_sha = ""
+
+    def open(self) -> None:
+        """Check the repo, make the worktree, prepare and pin the harness. Call with the lock held."""
+        gitops.require_clean(self.repo)
+        gitops.exclude_state(self.repo)
+        self.wt = gitops.ensure_worktree(self.repo, self.settings.tag, self.paths.worktree)
+        self.paths.runs.mkdir(parents=True, exist_ok=True)
+        self.link_results()
+        self.info = harness.query(self.paths.worktree, self.env)
+        if self.info.manifest is not None and harness.verify(self.info.manifest):
+            harness.prepare(self.paths.worktree, self.env, self.echo)
+            problems = harness.verify(self.info.manifest)
+            if problems:
+                raise LoopError(f"prepared data does not verify after prepare.py: {'; '.join(problems)}")
+        if self.info.time_budget is not None and abs(self.info.time_budget - self.settings.budget) > 1e-9:
+            self.echo(f"autoloop: note: this harness fixes its own budget ({self.info.time_budget:g}s); "
+                      f"--budget {self.settings.budget:g} does not reach it")
+        pinned = self.paths.worktree / "prepare.py"
+        self.prepare_sha = harness.sha256_file(pinned) if pinned.exists() else ""
+
+    def link_results(self) -> None:
+        """results.tsv at the repo root points at this session's ledger (an existing file is kept aside)."""
+        ensure_header(self.paths.ledger)
+        link = self.settings.repo / "results.tsv"
+        target = self.paths.ledger.relative_to(self.settings.repo)
+        if link.is_symlink() or not link.exists():
+            if link.is_symlink() and Path(os.readlink(link)) == target:
+                return
+            link.unlink(missing_ok=True)
+        else:
+            kept = self.settings.repo / ".autoloop" / f"results.{time.strftime('%Y%m%d-%H%M%S')}.tsv"
+            shutil.move(link, kept)
+            self.echo(f"autoloop: moved the existing results.tsv to {kept.relative_to(self.settings.repo)}")
+        link.symlink_to(target)
+
+    def resume(self) -> State:
+        """Rebuild the state from the ledger; drop half-finished experiments; put the branch at the best."""
+        kill_orphan(read_status(self.paths))
+        state = State()
+        session = self.paths.session
+        if session.exists():
+            state.start_commit = json.loads(session.read_text())["start_commit"]
+        else:
+            state.start_commit = self.wt.head.commit.hexsha
+            write_json_atomic(session, {"start_commit": state.start_commit, "tag": self.settings.tag,
+                                        "prepare_sha256": self.prepare_sha, "created": time.time()})
+        state.best_commit = state.start_commit
+        for n, row in enumerate(read_rows(self.paths.ledger), start=1):
+            record = read_record(self.paths.run_dir(n)) or Record(
+                n=n, status=row.status, description=row.description, commit=row.commit,
+                val_bpb=row.val_bpb if row.status != "crash" else None)
+            state.add(record)
+        for run_dir in self.paths.runs.iterdir():
+            if run_dir.name.isdigit() and int(run_dir.name) > state.done:
+                dest = self.paths.state / "incomplete" / f"{run_dir.name}-{int(time.time())}"
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                shutil.move(run_dir, dest)
+        gitops.reset_to(self.wt, state.best_commit)
+        return state
+
+    def integrity_problems(self) -> list[str]:
+        """Checks before any training time is spent: harness pinned, prepared data intact."""
+        problems = []
+        pinned = self.paths.worktree / "prepare.py"
+        if self.prepare_sha and (not pinned.exists() or harness.sha256_file(pinned) != self.prepare_sha):
+            problems.append("prepare.py differs from the one pinned at session start")
+        if self.info and self.info.manifest is not None:
+            problems += harness.verify(self.info.manifest)
+        return problems
+
+
+def kill_orphan(status: dict) -> None:
+    """A controller killed with SIGKILL leaves its training process running: end it before resuming."""
+    pid = status.get("train_pid")
+    if not pid:
+        return
+    try:
+        proc = psutil.Process(pid)
+        if abs(proc.create_time() - status.get("train_started", 0)) < 2.0:
+            kill_tree(pid, pid)
+    except psutil.Error:
+        pass
+
+
+# ---------------------------------------------------------------------------
+# One experiment
+# ---------------------------------------------------------------------------
+
+
+def check_edit(session: Session) -> str:
+    """Why the proposed edit may not run ('' if it may): only train.py changed, and it compiles."""
+    changed = gitops.changed_files(session.wt)
+    others = [f for f in changed if f != "train.py"]
+    if others:
+        return f"edited files other than train.py: {', '.join(others[:5])}"
+    try:
+        compile((session.paths.worktree / "train.py").read_text(), "train.py", "exec")
+    except SyntaxError as e:
+        return f"train.py does not compile: {e.msg} (line {e.lineno})"
+    except (OSError, ValueError) as e:
+        return f"train.py unreadable: {e}"
+    return ""
+
+
+def run_experiment(session: Session, proposer: Proposer, state: State, n: int) -> Record | None:
+    """One full experiment; returns its record, or None when the proposer has no more ideas."""
+    s, paths = session.settings, session.paths
+    record = Record(n=n, status="crash", description="", parent=state.best_commit, proposer=proposer.name,
+                    started=time.time(), best_before=state.best_bpb)
+    run_dir = paths.run_dir(n)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_status(paths, phase="proposing", n=n, experiment_started=record.started, description="",
+                 train_pid=None, pid=os.getpid(), tag=s.tag, budget=s.budget)
+
+    t = time.monotonic()
+    if state.best_bpb is None and not any(r.status == "keep" for r in state.records):
+        description = "baseline" if n == 1 else "baseline (retry)"
+    else:
+        try:
+            description = proposer.propose(paths.worktree, list(state.records))
+        except Exception as e:  # a failing proposer is data, not the end of the night
+            description = f"proposer error: {type(e).__name__}: {e}"
+            record.reason = description
+    record.timings["propose"] = time.monotonic() - t
+    if description is None:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        gitops.reset_to(session.wt, state.best_commit)
+        return None
+    record.description = " ".join(str(description).split())[:300]
+
+    t = time.monotonic()
+    reason = record.reason or check_edit(session)
+    problems = session.integrity_problems()
+    if problems:
+        raise LoopError(f"the prepared harness no longer verifies ({'; '.join(problems)}); an earlier run may have "
+                        "modified it. Re-run `python prepare.py --force`, then the same autoloop command to resume")
+    record.timings["check"] = time.monotonic() - t
+
+    t = time.monotonic()
+    record.commit = gitops.commit_all(session.wt, f"autoloop {s.tag} #{n}: {record.description}")
+    gitops.mark_tried(session.repo, s.tag, n, record.commit)
+    (run_dir / "diff.patch").write_text(session.wt.git.diff(state.best_commit, record.commit))
+    record.timings["git"] = time.monotonic() - t
+
+    if not reason:
+        reason = train(session, record, run_dir)
+    finish(session, state, record, reason)
+    return record
+
+
+def train(session: Session, record: Record, run_dir: Path) -> str:
+    """Run train.py under the hard timeout; fill the record's metrics. Returns a crash reason or ''."""
+    s = session.settings
+
+    def on_start(pid: int) -> None:
+        try:
+            created = psutil.Process(pid).create_time()
+        except psutil.Error:
+            created = 0.0
+        write_status(session.paths, train_pid=pid, train_started=created)
+
+    write_status(session.paths, phase="training", description=record.description, training_started=time.time())
+    t = time.monotonic()
+    result = run_command([sys.executable, "train.py"], session.paths.worktree, session.env, run_dir / "run.log",
+                         s.hard_timeout, on_start=on_start)
+    record.timings["train"] = time.monotonic() - t
+    record.exit_code, record.timed_out = result.exit_code, result.timed_out
+    log_text = result.log_path.read_text(errors="replace")
+    record.metrics = parse_summary(log_text)
+    record.val_bpb = val_bpb_of(record.metrics)
+    touched = gitops.modified_tracked(session.wt)
+    if result.timed_out:
+        return f"timeout after {s.hard_timeout:.0f}s"
+    if result.exit_code != 0:
+        return f"exit code {result.exit_code}: {last_error_line(log_text)}".rstrip(": ")
+    if "val_bpb" not in record.metrics:
+        return f"no val_bpb in the summary: {last_error_line(log_text)}".rstrip(": ")
+    if record.val_bpb is None:
+        return f"val_bpb is not finite ({record.metrics['val_bpb']})"
+    if touched:
+        return f"the run modified {', '.join(touched)}"
+    return ""
+
+
+def finish(session: Session, state: State, record: Record, reason: str) -> None:
+    """Decide, record (record.json, then the fsync'd row), and move the branch; in that order, for resume."""
+    t = time.monotonic()
+    record.status = "crash" if reason else decide(record.val_bpb, state.best_bpb)
+    record.reason = reason
+    if reason:
+        record.val_bpb = None
+    record.ended = time.time()
+    record.timings["record"] = time.monotonic() - t
+    write_record(session.paths.run_dir(record.n), record)
+    mem_mb = record.metrics.get("peak_vram_mb", 0.0) if record.status != "crash" else 0.0
+    mfu = record.metrics.get("mfu_percent", 0.0) if record.status != "crash" else 0.0
+    description = f"{record.description} [crash: {reason}]" if reason else record.description
+    append_row(session.paths.ledger, Row(record.commit, record.val_bpb or 0.0, float(mem_mb) / 1024,
+                                         float(mfu), record.status, description))
+    state.add(record)
+    gitops.reset_to(session.wt, state.best_commit)
+    write_status(session.paths, phase="idle", train_pid=None, last=record.n)
+
+
+# ---------------------------------------------------------------------------
+# The loop
+# ---------------------------------------------------------------------------
+
+
+def _stop_reason(settings: Settings, state: State, started: float) -> str:
+    if settings.max_experiments is not None and state.done >= settings.max_experiments:
+        return f"reached --max-experiments {settings.max_experiments}"
+    if settings.max_hours is not None and time.time() - started >= settings.max_hours * 3600:
+        return f"reached --max-hours {settings.max_hours:g}"
+    return ""
+
+
+def _sigterm_to_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def run_loop(settings: Settings, echo: Callable[[str], None] = print) -> State:
+    """Run experiments until a stop condition; returns the final state. Raises LoopError for setup problems."""
+    session = Session(settings, echo)
+    proposer_cls = load(settings.proposer)
+    with Lock(session.paths.lock):
+        session.open()
+        state = session.resume()
+        proposer = proposer_cls(Context(repo=settings.repo, tag=settings.tag, seed=settings.seed,
+                                        profile=session.info.profile if session.info else settings.profile))
+        for record in state.records:
+            proposer.observe(record)
+        echo(f"autoloop: tag {settings.tag} | branch autoloop/{settings.tag} | budget {settings.budget:g}s | "
+             f"timeout {settings.hard_timeout:.0f}s | proposer {settings.proposer} | "
+             f"{state.done} experiment(s) already recorded")
+        echo(console_header())
+        started, stop = time.time(), ""
+        previous = signal.signal(signal.SIGTERM, _sigterm_to_interrupt)
+        try:
+            while not (stop := _stop_reason(settings, state, started)):
+                record = run_experiment(session, proposer, state, state.done + 1)
+                if record is None:
+                    stop = "the proposer has no more ideas"
+                    break
+                proposer.observe(record)
+                echo(console_line(record, state))
+                if record.n == 1 and record.status == "crash":
+                    raise LoopError(f"the unmodified baseline crashed ({record.reason}); fix train.py or the "
+                                    f"environment, see {session.paths.run_dir(1) / 'run.log'}")
+        except KeyboardInterrupt:
+            gitops.reset_to(session.wt, state.best_commit)
+            write_status(session.paths, phase="stopped", train_pid=None)
+            echo(f"autoloop: interrupted; experiment {state.done + 1} was not recorded. "
+                 "Run the same command to resume.")
+            raise
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            proposer.close()
+        write_status(session.paths, phase="finished", train_pid=None)
+        echo(session_summary(settings, state, stop))
+        return state
+
+
+def console_header() -> str:
+    return f"{'#':>4}  {'commit':7}  {'val_bpb':>9}  {'best':>9}  {'mem_gb':>6}  {'status':7}  description"
+
+
+def console_line(record: Record, state: State) -> str:
+    bpb = f"{record.val_bpb:.6f}" if record.val_bpb is not None else "-"
+    best = f"{state.best_bpb:.6f}" if state.best_bpb is not None else "-"
+    mem = float(record.metrics.get("peak_vram_mb", 0.0) or 0.0) / 1024
+    desc = record.description + (f"  [{record.reason}]" if record.reason else "")
+    return f"{record.n:>4}  {record.commit[:7]:7}  {bpb:>9}  {best:>9}  {mem:>6.1f}  {record.status:7}  {desc}"
+
+
+def session_summary(settings: Settings, state: State, stop: str) -> str:
+    keeps = sum(r.status == "keep" for r in state.records)
+    crashes = sum(r.status == "crash" for r in state.records)
+    line = f"autoloop: stopped ({stop}). {state.done} experiments: {keeps} keep, {crashes} crash."
+    if state.baseline_bpb is not None and state.best_bpb is not None:
+        delta = state.best_bpb - state.baseline_bpb
+        line += (f" val_bpb {state.baseline_bpb:.6f} -> {state.best_bpb:.6f} ({delta:+.6f}, "
+                 f"{100 * delta / state.baseline_bpb:+.2f}%) at {state.best_commit[:7]} on autoloop/{settings.tag}")
+    return line

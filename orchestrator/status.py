@@ -1,0 +1,55 @@
+"""`autoloop status`: a read-only view of a session, from its status file, lock and ledger."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from . import LoopError
+from .ledger import read_rows
+from .session import Paths, is_locked, latest_tag, read_status
+
+
+def collect(repo: Path, tag: str | None) -> dict:
+    tag = tag or latest_tag(repo)
+    if tag is None:
+        raise LoopError(f"no autoloop session in {repo}; start one with `autoloop run`")
+    paths = Paths(repo, tag)
+    if not paths.state.is_dir():
+        raise LoopError(f"no session with tag {tag!r} in {repo}")
+    status = read_status(paths)
+    rows = read_rows(paths.ledger)
+    kept = [r for r in rows if r.status == "keep"]
+    running = is_locked(paths.lock)
+    info = {
+        "tag": tag,
+        "running": running,
+        "phase": status.get("phase") if running else (status.get("phase") or "idle"),
+        "experiments": len(rows),
+        "keeps": len(kept),
+        "crashes": sum(r.status == "crash" for r in rows),
+        "baseline_bpb": kept[0].val_bpb if kept else None,
+        "best_bpb": min((r.val_bpb for r in kept), default=None),
+        "best_commit": min(kept, key=lambda r: r.val_bpb).commit if kept else None,
+        "current": None,
+        "recent": [r.__dict__ for r in rows[-5:]],
+    }
+    if running and status.get("n"):
+        info["current"] = {"n": status["n"], "phase": status.get("phase"), "description": status.get("description"),
+                           "elapsed_s": round(time.time() - status.get("experiment_started", time.time()), 1),
+                           "budget_s": status.get("budget")}
+    return info
+
+
+def render(info: dict) -> str:
+    state = "running" if info["running"] else "not running"
+    lines = [f"session {info['tag']}: {state} ({info['phase']})",
+             f"experiments: {info['experiments']} ({info['keeps']} keep, {info['crashes']} crash)"]
+    if info["best_bpb"] is not None:
+        lines.append(f"best val_bpb: {info['best_bpb']:.6f} at {info['best_commit']} "
+                     f"(baseline {info['baseline_bpb']:.6f})")
+    if info["current"]:
+        c = info["current"]
+        lines.append(f"current: #{c['n']} {c['phase']} {c['elapsed_s']:.0f}s elapsed (budget {c['budget_s']:g}s): "
+                     f"{c['description'] or '(proposing)'}")
+    return "\n".join(lines)

@@ -1,0 +1,54 @@
+"""Parse the `---` summary block that ends a train.py run (the train.py -> controller contract)."""
+
+from __future__ import annotations
+
+import math
+import re
+
+SUMMARY_KEYS = ("val_bpb", "training_seconds", "total_seconds", "peak_vram_mb", "mfu_percent",
+                "total_tokens_M", "num_steps", "num_params_M", "depth")
+_LINE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*):\s*(\S.*?)\s*$")
+_ERROR = re.compile(r"(Error|Exception|FAIL|Traceback|Killed|error:|out of memory)", re.IGNORECASE)
+
+
+def _value(text: str) -> float | int | str:
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_summary(log_text: str) -> dict[str, float | int | str]:
+    """The key: value lines after the LAST line that is exactly `---`; {} if there is no such block.
+
+    Only the final block counts, so anything train.py printed earlier (even a fake block) is ignored.
+    """
+    lines = log_text.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.strip() == "---"]
+    if not starts:
+        return {}
+    metrics: dict[str, float | int | str] = {}
+    for line in lines[starts[-1] + 1:]:
+        match = _LINE.match(line.strip())
+        if match:
+            metrics[match.group(1)] = _value(match.group(2))
+    return metrics
+
+
+def val_bpb_of(metrics: dict) -> float | None:
+    """The finite val_bpb of a parsed summary, or None."""
+    value = metrics.get("val_bpb")
+    if isinstance(value, (int, float)) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def last_error_line(log_text: str, limit: int = 160) -> str:
+    """The most telling line of a failed run: the last line that looks like an error, else the last line."""
+    lines = [line.strip() for line in log_text.replace("\r", "\n").splitlines() if line.strip()]
+    for line in reversed(lines):
+        if _ERROR.search(line) and not line.startswith("File "):
+            return line[:limit]
+    return lines[-1][:limit] if lines else ""
