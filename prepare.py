@@ -19,6 +19,7 @@ AUTOLOOP_DATASET, AUTOLOOP_PROFILE.
 
 import argparse
 import hashlib
+import http.client
 import json
 import math
 import os
@@ -196,8 +197,9 @@ def write_document_splits(docs, source):
     record = DATA_DIR / "splits.json"
     if record.exists():  # another profile already wrote these splits from the same corpus: reuse them
         previous = json.loads(record.read_text())
-        files = [rel for key in ("train", "val", "holdout") for rel in previous[key]]
-        if previous["fingerprint"] == digest and all((DATA_DIR / rel).exists() for rel in files):
+        hashes = previous.get("sha256", {})
+        if previous["fingerprint"] == digest and hashes and all(
+                (DATA_DIR / rel).exists() and sha256_file(DATA_DIR / rel) == h for rel, h in hashes.items()):
             log(f"Data: {len(docs)} documents already split in {DATA_DIR}")
             return previous
     splits = {"train": [], "val": [], "holdout": []}
@@ -224,7 +226,8 @@ def write_document_splits(docs, source):
         "holdout": ["holdout.parquet"],
         "fingerprint": digest,
     }
-    record.write_text(json.dumps(result, indent=1))
+    files = [rel for key in ("train", "val", "holdout") for rel in result[key]]
+    record.write_text(json.dumps({**result, "sha256": {rel: sha256_file(DATA_DIR / rel) for rel in files}}, indent=1))
     return result
 
 
@@ -246,7 +249,7 @@ def download_file(url, dest, attempts=5, timeout=60, backoff=2.0):
             os.replace(tmp, dest)
             log(f"  downloaded {dest.name}")
             return True
-        except (urllib.error.URLError, OSError, ValueError) as e:
+        except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as e:
             tmp.unlink(missing_ok=True)
             log(f"  attempt {attempt}/{attempts} failed for {url}: {e}")
             if attempt < attempts:
@@ -346,7 +349,6 @@ def write_manifest(splits):
         "fingerprint": splits["fingerprint"],
         "splits": {k: splits[k] for k in ("train", "val", "holdout")},
         "prepare_sha256": sha256_file(__file__),
-        "root": str(MANIFEST_PATH.parent),
         "files": {rel: sha256_file(path) for rel, path in manifest_files(splits).items()},
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
@@ -367,7 +369,7 @@ def load_manifest():
 def verify_manifest(manifest=None):
     """Problems with the prepared files and prepare.py versus the manifest; an empty list means all is well."""
     manifest = manifest or load_manifest()
-    root = Path(manifest["root"])
+    root = MANIFEST_PATH.parent  # file paths are relative to the manifest, so a cache can be moved
     problems = []
     if sha256_file(__file__) != manifest["prepare_sha256"]:
         problems.append("prepare.py changed since the data was prepared")

@@ -67,7 +67,7 @@ def verify(manifest_path: Path) -> list[str]:
     if not manifest_path.exists():
         return [f"no manifest at {manifest_path}"]
     manifest = json.loads(manifest_path.read_text())
-    root = Path(manifest["root"])
+    root = manifest_path.parent
     problems = []
     for rel, digest in sorted(manifest["files"].items()):
         path = root / rel

@@ -6,6 +6,7 @@ Built-ins and third-party proposers are found the same way, through the entry-po
 
 from __future__ import annotations
 
+import importlib
 from importlib.metadata import entry_points
 
 from .. import LoopError
@@ -25,11 +26,14 @@ def available() -> list[str]:
 
 
 def load(name: str) -> type[Proposer]:
-    """The Proposer class registered as `name`; a LoopError that lists the choices if it cannot load."""
+    """The Proposer class registered as `name` (or at `module:Class`); a LoopError naming the choices if not."""
     eps = _entry_points()
     try:
         if name in eps:
             cls = eps[name].load()
+        elif ":" in name:  # an import path, module:Class, for proposers that are not packaged
+            module, _, attr = name.partition(":")
+            cls = getattr(importlib.import_module(module), attr)
         else:
             raise LoopError(f"unknown proposer {name!r}; available: {', '.join(available())} "
                             f"(third-party proposers register in the entry-point group '{GROUP}')")

@@ -1,0 +1,57 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import git
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+
+
+def make_repo(path: Path, files: dict[str, str]) -> git.Repo:
+    """A real git repository with `files` committed on main."""
+    path.mkdir(parents=True, exist_ok=True)
+    repo = git.Repo.init(path, initial_branch="main")
+    with repo.config_writer() as cw:
+        cw.set_value("user", "name", "test")
+        cw.set_value("user", "email", "test@example.com")
+    for rel, content in files.items():
+        (path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (path / rel).write_text(content)
+    repo.git.add("-A")
+    repo.git.commit("-m", "init")
+    return repo
+
+
+@pytest.fixture
+def fake_repo(tmp_path):
+    """Factory: a repo with a fake train.py (and a trivial prepare.py) committed."""
+
+    def factory(train: str, extra: dict[str, str] | None = None) -> Path:
+        files = {"train.py": train, "prepare.py": "TIME_BUDGET = 300\n", **(extra or {})}
+        make_repo(tmp_path / "repo", files)
+        return tmp_path / "repo"
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def tiny_env(tmp_path_factory):
+    """Environment with a prepared tiny-profile cache (the real prepare.py on the offline default data)."""
+    cache = tmp_path_factory.mktemp("cache")
+    env = dict(os.environ, AUTOLOOP_CACHE=str(cache), AUTOLOOP_PROFILE="tiny", AUTOLOOP_DEVICE="cpu")
+    env.pop("AUTOLOOP_DATASET", None)
+    proc = subprocess.run([sys.executable, "prepare.py"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return env
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """Environment for running `autoloop` in a subprocess that can import the test fakes."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    env.update(extra)
+    return env

@@ -1,0 +1,95 @@
+"""Small fake train.py variants that print the summary block, and a scripted proposer, for loop tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from orchestrator.proposers import Proposer
+
+SUMMARY = '''
+print("---")
+print(f"val_bpb:          {BPB:.6f}")
+print("training_seconds: 0.1")
+print("total_seconds:    0.2")
+print("peak_vram_mb:     2048.0")
+print("mfu_percent:      1.50")
+print("total_tokens_M:   0.1")
+print("num_steps:        3")
+print("num_params_M:     0.1")
+print("depth:            2")
+'''
+
+
+def ok(bpb: float = 1.0, sleep: float = 0.0) -> str:
+    return (f'"""fake train.py"""\nimport time\n\n# Hyperparameters\nBPB = {bpb!r}  # [0.1, 10.0]\n'
+            f'SLEEP = {sleep!r}  # [fixed]\n\ntime.sleep(SLEEP)\nprint("step 00001 | loss: 1.0")\n' + SUMMARY)
+
+
+def crash() -> str:
+    return 'print("step 1")\nraise RuntimeError("CUDA out of memory (fake)")\n'
+
+
+def hang() -> str:
+    return 'import time\nprint("hanging", flush=True)\ntime.sleep(3600)\n'
+
+
+def nan() -> str:
+    return 'BPB = float("nan")\n' + SUMMARY
+
+
+def no_summary() -> str:
+    return 'print("training finished but forgot the summary")\n'
+
+
+def fake_then_real(bpb: float) -> str:
+    """An early fake block that claims 0.1, then the real final block."""
+    return 'print("---")\nprint("val_bpb: 0.100000")\nprint("step 2")\n' + f"BPB = {bpb!r}\n" + SUMMARY
+
+
+def grandchild(pidfile: Path, then: str = "hang") -> str:
+    """Spawns a grandchild that ignores SIGTERM and writes its pid; then hangs or exits normally."""
+    tail = "time.sleep(3600)" if then == "hang" else 'BPB = 1.5\n' + SUMMARY
+    return f'''import subprocess, sys, time
+code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(3600)"
+p = subprocess.Popen([sys.executable, "-c", code])
+open({str(pidfile)!r}, "w").write(str(p.pid))
+time.sleep(0.3)
+{tail}
+'''
+
+
+def modifies_prepare() -> str:
+    return 'open("prepare.py", "a").write("\\nTAMPERED = True\\n")\nBPB = 0.5\n' + SUMMARY
+
+
+class Scripted(Proposer):
+    """Follows the plan in $AUTOLOOP_TEST_PLAN: a JSON list of steps {description, train, files, sleep}.
+
+    The step is chosen by the number of finished experiments, so the plan replays identically on resume.
+    """
+
+    name = "scripted"
+
+    def propose(self, workdir: Path, history: list) -> str | None:
+        plan = json.loads(Path(os.environ["AUTOLOOP_TEST_PLAN"]).read_text())
+        index = len(history) - 1  # history holds the baseline first
+        if index >= len(plan):
+            return None
+        step = plan[index]
+        if step.get("sleep"):
+            time.sleep(step["sleep"])
+        if step.get("raise"):
+            raise ValueError(step["raise"])
+        if "train" in step:
+            (workdir / "train.py").write_text(step["train"])
+        for rel, content in step.get("files", {}).items():
+            (workdir / rel).write_text(content)
+        return step["description"]
+
+
+def write_plan(path: Path, steps: list[dict]) -> Path:
+    path.write_text(json.dumps(steps))
+    return path

@@ -1,0 +1,173 @@
+"""The controller loop over small fake train.py variants: each outcome recorded right, nothing left alive."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import git
+import psutil
+import pytest
+
+import fakes
+from orchestrator import LoopError
+from orchestrator.ledger import read_record, read_rows
+from orchestrator.loop import Settings, decide, run_loop
+from orchestrator.session import Paths
+
+
+def settings(repo, **kw) -> Settings:
+    base = dict(repo=repo, tag="t1", budget=1.0, timeout=20.0, proposer="fakes:Scripted")
+    base.update(kw)
+    return Settings(**base)
+
+
+@pytest.fixture
+def plan(tmp_path, monkeypatch):
+    def write(steps):
+        path = fakes.write_plan(tmp_path / "plan.json", steps)
+        monkeypatch.setenv("AUTOLOOP_TEST_PLAN", str(path))
+        return path
+
+    return write
+
+
+def quiet(_line: str) -> None:
+    pass
+
+
+def test_decide_rule():
+    assert decide(None, 1.0) == "crash"
+    assert decide(0.9, None) == "keep"
+    assert decide(0.9, 1.0) == "keep"
+    assert decide(1.0, 1.0) == "discard"
+    assert decide(1.1, 1.0) == "discard"
+
+
+def test_outcomes_are_recorded_and_branch_holds_only_keeps(fake_repo, plan, tmp_path):
+    repo_path = fake_repo(fakes.ok(1.0))
+    plan([
+        {"description": "better", "train": fakes.ok(0.8)},
+        {"description": "worse", "train": fakes.ok(0.9)},
+        {"description": "crashes", "train": fakes.crash()},
+        {"description": "nan", "train": fakes.nan()},
+        {"description": "forgets summary", "train": fakes.no_summary()},
+        {"description": "fake block", "train": fakes.fake_then_real(0.85)},
+        {"description": "touches prepare", "train": fakes.ok(0.1), "files": {"prepare.py": "X = 1\n"}},
+        {"description": "syntax error", "train": "def broken(:\n"},
+        {"description": "tampers at run time", "train": fakes.modifies_prepare()},
+        {"description": "best", "train": fakes.ok(0.7)},
+    ])
+    user = git.Repo(repo_path)
+    before = (user.head.commit.hexsha, user.git.status("--porcelain"), user.active_branch.name)
+    state = run_loop(settings(repo_path), echo=quiet)
+
+    rows = read_rows(repo_path / "results.tsv")
+    assert [r.status for r in rows] == ["keep", "keep", "discard", "crash", "crash", "crash", "discard", "crash",
+                                        "crash", "crash", "keep"]
+    assert [r.val_bpb for r in rows][:3] == [1.0, 0.8, 0.9] and rows[-1].val_bpb == 0.7
+    assert "RuntimeError: CUDA out of memory (fake)" in rows[3].description
+    assert "not finite" in rows[4].description and "no val_bpb" in rows[5].description
+    assert rows[6].val_bpb == 0.85  # the early fake block was ignored
+    assert "edited files other than train.py: prepare.py" in rows[7].description
+    assert "does not compile" in rows[8].description
+    assert "the run modified prepare.py" in rows[9].description
+    assert all(r.val_bpb == 0.0 and r.memory_gb == 0.0 for r in rows if r.status == "crash")
+    assert rows[1].memory_gb == 2.0 and rows[1].mfu_percent == 1.5
+
+    # the user's checkout is untouched; the loop branch holds exactly the kept commits
+    assert (user.head.commit.hexsha, user.git.status("--porcelain"), user.active_branch.name) == before
+    branch = user.heads["autoloop/t1"].commit.hexsha
+    records = [read_record(Paths(repo_path, "t1").run_dir(n)) for n in range(1, len(rows) + 1)]
+    for rec in records:
+        assert rec.commit.startswith(rows[rec.n - 1].commit)
+        assert user.git.rev_parse(f"refs/autoloop/t1/tried/{rec.n}") == rec.commit  # every idea reachable
+        ancestor = user.is_ancestor(rec.commit, branch)
+        assert ancestor == (rec.status == "keep"), rec
+    assert state.best_bpb == 0.7 and state.best_commit == branch
+    assert records[3].reason.startswith("exit code 1") and records[3].exit_code == 1
+    assert set(records[1].timings) >= {"propose", "check", "git", "train", "record"}
+    # crashes caught by the checks never ran: no training time spent
+    assert "train" not in records[7].timings and "train" not in records[8].timings
+    # the worktree is back at the best commit with a clean tree
+    wt = git.Repo(Paths(repo_path, "t1").worktree)
+    assert wt.head.commit.hexsha == branch and not wt.is_dirty(untracked_files=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_hang_and_grandchildren_are_killed(fake_repo, plan, tmp_path):
+    repo_path = fake_repo(fakes.ok(1.0))
+    pid_a, pid_b = tmp_path / "a.pid", tmp_path / "b.pid"
+    plan([
+        {"description": "hangs", "train": fakes.hang()},
+        {"description": "grandchild then hang", "train": fakes.grandchild(pid_a, then="hang")},
+        {"description": "grandchild then exit", "train": fakes.grandchild(pid_b, then="exit")},
+    ])
+    t0 = time.monotonic()
+    run_loop(settings(repo_path, timeout=3.0), echo=quiet)
+    rows = read_rows(repo_path / "results.tsv")
+    assert [r.status for r in rows] == ["keep", "crash", "crash", "discard"]
+    assert "timeout after 3s" in rows[1].description and "timeout" in rows[2].description
+    assert rows[3].val_bpb == 1.5
+    for pidfile in (pid_a, pid_b):
+        pid = int(pidfile.read_text())
+        deadline = time.monotonic() + 5
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(pid), f"grandchild {pid} survived"
+    assert time.monotonic() - t0 < 60
+
+
+def test_proposer_error_is_a_crash_row_and_dry_proposer_ends_loop(fake_repo, plan):
+    repo_path = fake_repo(fakes.ok(1.0))
+    plan([{"description": "x", "raise": "no idea"}, {"description": "fine", "train": fakes.ok(0.9)}])
+    state = run_loop(settings(repo_path), echo=quiet)
+    rows = read_rows(repo_path / "results.tsv")
+    assert [r.status for r in rows] == ["keep", "crash", "keep"]
+    assert "proposer error: ValueError: no idea" in rows[1].description
+    assert state.done == 3
+
+
+def test_max_experiments_and_resume_continue_the_count(fake_repo, plan):
+    repo_path = fake_repo(fakes.ok(1.0))
+    plan([{"description": f"step {i}", "train": fakes.ok(1.0 - 0.01 * i)} for i in range(1, 6)])
+    run_loop(settings(repo_path, max_experiments=2), echo=quiet)
+    assert len(read_rows(repo_path / "results.tsv")) == 2
+    run_loop(settings(repo_path, max_experiments=4), echo=quiet)
+    rows = read_rows(repo_path / "results.tsv")
+    assert [r.description for r in rows] == ["baseline", "step 1", "step 2", "step 3"]
+
+
+def test_refuses_dirty_train_py_and_unknown_proposer(fake_repo, plan):
+    repo_path = fake_repo(fakes.ok(1.0))
+    plan([])
+    (repo_path / "train.py").write_text(fakes.ok(0.5))
+    with pytest.raises(LoopError, match="uncommitted changes to train.py.*git commit"):
+        run_loop(settings(repo_path), echo=quiet)
+    git.Repo(repo_path).git.checkout("--", "train.py")
+    with pytest.raises(LoopError, match="unknown proposer 'nope'; available: .*perturb"):
+        run_loop(settings(repo_path, proposer="nope"), echo=quiet)
+
+
+def test_baseline_crash_stops_with_a_clear_error(fake_repo, plan):
+    repo_path = fake_repo(fakes.crash())
+    plan([])
+    with pytest.raises(LoopError, match="baseline crashed .*run.log"):
+        run_loop(settings(repo_path), echo=quiet)
+    assert [r.status for r in read_rows(repo_path / "results.tsv")] == ["crash"]
+
+
+def test_existing_results_file_is_kept_aside(fake_repo, plan):
+    repo_path = fake_repo(fakes.ok(1.0))
+    (repo_path / "results.tsv").write_text("commit\tval_bpb\nabc\t1.0\n")
+    plan([])
+    run_loop(settings(repo_path), echo=quiet)
+    kept = list((repo_path / ".autoloop").glob("results.*.tsv"))
+    assert len(kept) == 1 and kept[0].read_text() == "commit\tval_bpb\nabc\t1.0\n"
+    assert os.path.islink(repo_path / "results.tsv") and len(read_rows(repo_path / "results.tsv")) == 1
