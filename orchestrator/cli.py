@@ -145,3 +145,5 @@ def proposers() -> None:
 
     for name in available():
         click.echo(name)
+if __name__ == "__main__":
+    main()

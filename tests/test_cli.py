@@ -1,0 +1,101 @@
+"""The command line: option precedence, errors with fixes, status, and an end-to-end run of the real train.py."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import git
+import pytest
+from click.testing import CliRunner
+
+import fakes
+from conftest import ROOT, make_repo, subprocess_env
+from orchestrator.cli import main
+from orchestrator.ledger import read_rows
+
+
+def autoloop(*args, env=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True,
+                          env=env or subprocess_env(), timeout=timeout)
+
+
+def test_help_lists_every_run_option_with_its_env_twin():
+    out = CliRunner().invoke(main, ["run", "--help"]).output
+    for opt, env in [("--budget", "AUTOLOOP_BUDGET"), ("--max-experiments", "AUTOLOOP_MAX_EXPERIMENTS"),
+                     ("--max-hours", "AUTOLOOP_MAX_HOURS"), ("--proposer", "AUTOLOOP_PROPOSER"),
+                     ("--tag", "AUTOLOOP_TAG"), ("--timeout", "AUTOLOOP_TIMEOUT"), ("--repo", "AUTOLOOP_REPO"),
+                     ("--profile", "AUTOLOOP_PROFILE"), ("--dataset", "AUTOLOOP_DATASET"), ("--seed", "AUTOLOOP_SEED")]:
+        assert opt in out and env in out
+
+
+def test_help_does_not_import_torch():
+    code = "import sys; from orchestrator.cli import main\ntry:\n main(['--help'])\nexcept SystemExit: pass\n" \
+           "print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip().endswith("False")
+
+
+def test_bad_usage_exits_2_and_user_errors_exit_1(tmp_path):
+    bad = autoloop("run", "--budget", "-3", "--repo", str(tmp_path))
+    assert bad.returncode == 2 and "--budget" in bad.stderr
+    bad_tag = autoloop("run", "--tag", "a b", "--repo", str(tmp_path))
+    assert bad_tag.returncode == 2 and "git branch" in bad_tag.stderr
+    not_repo = autoloop("run", "--repo", str(tmp_path))
+    assert not_repo.returncode == 1 and "not a git repository" in not_repo.stderr and "git init" in not_repo.stderr
+    assert "Traceback" not in not_repo.stderr + bad.stderr
+
+
+def test_precedence_cli_over_env_over_pyproject(tmp_path):
+    plan = fakes.write_plan(tmp_path / "plan.json", [{"description": f"s{i}", "train": fakes.ok(0.9)} for i in range(5)])
+    pyproject = '[tool.autoloop]\nmax-experiments = 2\nbudget = 7\ntag = "fromfile"\nproposer = "fakes:Scripted"\n'
+    repo = tmp_path / "repo"
+    make_repo(repo, {"train.py": fakes.ok(1.0), "pyproject.toml": pyproject})
+    env = subprocess_env(AUTOLOOP_TEST_PLAN=str(plan), AUTOLOOP_BUDGET="5")
+    proc = autoloop("run", "--repo", str(repo), "--tag", "fromcli", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "tag fromcli" in proc.stdout  # command line beats pyproject
+    assert "budget 5s" in proc.stdout  # environment beats pyproject
+    assert len(read_rows(repo / ".autoloop" / "fromcli" / "results.tsv")) == 2  # pyproject beats the default
+    assert "timeout 130s" in proc.stdout  # default: 2 x budget + 120
+
+
+def test_unknown_pyproject_key_is_a_clear_error(tmp_path):
+    repo = tmp_path / "repo"
+    make_repo(repo, {"train.py": fakes.ok(1.0), "pyproject.toml": "[tool.autoloop]\nbudgett = 3\n"})
+    proc = autoloop("run", "--repo", str(repo))
+    assert proc.returncode == 1 and "unknown key 'budgett'" in proc.stderr and "budget" in proc.stderr
+
+
+def test_status_of_a_finished_session(tmp_path):
+    plan = fakes.write_plan(tmp_path / "plan.json", [{"description": "better", "train": fakes.ok(0.5)}])
+    repo = tmp_path / "repo"
+    make_repo(repo, {"train.py": fakes.ok(1.0)})
+    env = subprocess_env(AUTOLOOP_TEST_PLAN=str(plan))
+    assert autoloop("run", "--repo", str(repo), "--tag", "s1", "--proposer", "fakes:Scripted", env=env).returncode == 0
+    out = autoloop("status", "--repo", str(repo), env=env).stdout
+    assert "session s1: not running" in out and "experiments: 2 (2 keep, 0 crash)" in out
+    assert "best val_bpb: 0.500000" in out and "baseline 1.000000" in out
+    none = autoloop("status", "--repo", str(tmp_path), env=env)
+    assert none.returncode == 1 and "autoloop run" in none.stderr
+
+
+@pytest.mark.timeout(300)
+def test_end_to_end_with_the_real_train_py(tiny_env, tmp_path):
+    """`autoloop run` in a repo holding the project's prepare.py and train.py (tiny profile, CPU)."""
+    repo = tmp_path / "proj"
+    make_repo(repo, {name: (ROOT / name).read_text() for name in ("prepare.py", "train.py", ".gitignore")})
+    env = dict(tiny_env, **{k: v for k, v in subprocess_env().items() if k == "PYTHONPATH"})
+    user = git.Repo(repo)
+    before = user.git.status("--porcelain")
+    proc = autoloop("run", "--repo", str(repo), "--budget", "2", "--max-experiments", "3", "--tag", "e2e",
+                    "--proposer", "perturb", env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = read_rows(repo / "results.tsv")
+    assert len(rows) == 3 and rows[0].description == "baseline" and rows[0].status == "keep"
+    assert rows[0].val_bpb > 0 and all(" -> " in r.description for r in rows[1:])
+    assert user.git.status("--porcelain") == before
+    branch = user.heads["autoloop/e2e"].commit.hexsha
+    for r in rows:
+        assert user.is_ancestor(user.commit(r.commit).hexsha, branch) == (r.status == "keep")
+    assert "3 experiments" in proc.stdout.splitlines()[-1]
