@@ -171,3 +171,12 @@ def test_existing_results_file_is_kept_aside(fake_repo, plan):
     kept = list((repo_path / ".autoloop").glob("results.*.tsv"))
     assert len(kept) == 1 and kept[0].read_text() == "commit\tval_bpb\nabc\t1.0\n"
     assert os.path.islink(repo_path / "results.tsv") and len(read_rows(repo_path / "results.tsv")) == 1
+
+
+def test_max_hours_stops_starting_new_experiments(fake_repo, plan):
+    repo_path = fake_repo(fakes.ok(1.0, sleep=0.5))
+    plan([{"description": f"s{i}", "train": fakes.ok(0.9, sleep=0.5)} for i in range(20)])
+    lines = []
+    state = run_loop(settings(repo_path, max_hours=1.0 / 3600), echo=lines.append)  # one second
+    assert 1 <= state.done <= 3
+    assert "reached --max-hours" in lines[-1]
