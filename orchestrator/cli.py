@@ -90,7 +90,7 @@ def main() -> None:
               help="Stop once the session holds this many experiments (the baseline included).")
 @click.option("--max-hours", type=click.FloatRange(min=0, min_open=True), envvar="AUTOLOOP_MAX_HOURS",
               show_envvar=True, help="Stop starting new experiments after this many hours.")
-@click.option("--proposer", default="perturb", show_default=True, envvar="AUTOLOOP_PROPOSER", show_envvar=True,
+@click.option("--proposer", default="search", show_default=True, envvar="AUTOLOOP_PROPOSER", show_envvar=True,
               help="Where ideas come from (see `autoloop proposers`).")
 @click.option("--tag", callback=check_tag, envvar="AUTOLOOP_TAG", show_envvar=True,
               help="Session name; the loop works on branch autoloop/<tag>.  [default: today, e.g. nov30]")
@@ -140,10 +140,84 @@ def status(repo: Path, tag: str | None, as_json: bool) -> None:
 
 @main.command()
 def proposers() -> None:
-    """List the proposers that are installed."""
-    from .proposers import available
+    """List the installed proposers; one that fails to load is reported, not fatal."""
+    from .proposers import available, load
 
     for name in available():
-        click.echo(name)
+        try:
+            cls = load(name)
+            doc = (sys.modules[cls.__module__].__doc__ or "").strip().splitlines()
+            click.echo(f"{name:10s} {doc[0] if doc else ''}")
+        except LoopError as e:
+            click.echo(f"{name:10s} (failed to load: {str(e).split(': ', 1)[-1]})")
+
+
+@main.group()
+def queue() -> None:
+    """Queue your own ideas; a running loop takes them first, in order."""
+
+
+@queue.command("add")
+@click.argument("description")
+@click.option("--set", "assignments", multiple=True, metavar="NAME=VALUE",
+              help="Set a train.py constant (repeatable), e.g. --set MATRIX_LR=0.03 --set WINDOW_PATTERN=SSSL.")
+@click.option("--patch", type=click.File("r"), help="A unified diff against train.py (git diff format).")
+@repo_option
+def queue_add(description: str, assignments: tuple[str, ...], patch, repo: Path) -> None:
+    """Append an idea: DESCRIPTION plus either --set NAME=VALUE ... or --patch FILE."""
+    from .gitops import open_repo
+    from .hparams import read_constants
+    from .queue import Queue, parse_assignment
+    from .session import Paths
+
+    if bool(assignments) == bool(patch):
+        raise click.UsageError("give either --set NAME=VALUE (one or more) or --patch FILE")
+    repo = resolve_repo(repo)
+    try:
+        open_repo(repo)
+        pairs = dict(parse_assignment(a) for a in assignments)
+    except LoopError as e:
+        raise click.ClickException(str(e)) from None
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--set") from None
+    if pairs:
+        source = (repo / "train.py").read_text() if (repo / "train.py").exists() else ""
+        names = {c.name for profile in (None, "gpu", "cpu", "tiny") for c in read_constants(source, profile)}
+        unknown = sorted(set(pairs) - names)
+        if unknown:
+            raise click.ClickException(f"train.py has no hyperparameter {', '.join(unknown)}; "
+                                       f"known: {', '.join(sorted(names))}")
+    idea = Queue(Paths(repo, "_").queue).add(description, pairs, patch.read() if patch else "")
+    click.echo(f"queued #{idea.id}: {idea.description}")
+
+
+@queue.command("list")
+@repo_option
+def queue_list(repo: Path) -> None:
+    """Show the ideas still waiting, in the order they will run."""
+    from .queue import Queue
+    from .session import Paths
+
+    pending = Queue(Paths(resolve_repo(repo), "_").queue).pending()
+    if not pending:
+        click.echo("the queue is empty")
+    for idea in pending:
+        what = ", ".join(f"{k}={v}" for k, v in idea.set.items()) if idea.set else f"patch ({len(idea.patch.splitlines())} lines)"
+        click.echo(f"#{idea.id}  {idea.description}  [{what}]")
+
+
+@queue.command("rm")
+@click.argument("idea_id", type=int)
+@repo_option
+def queue_rm(idea_id: int, repo: Path) -> None:
+    """Remove a waiting idea by its number."""
+    from .queue import Queue
+    from .session import Paths
+
+    if not Queue(Paths(resolve_repo(repo), "_").queue).remove(idea_id):
+        raise click.ClickException(f"no waiting idea #{idea_id}; see `autoloop queue list`")
+    click.echo(f"removed #{idea_id}")
+
+
 if __name__ == "__main__":
     main()

@@ -126,11 +126,11 @@ def format_value(value, like: str = "") -> str:
     return text if any(c in text for c in ".e") else text + ".0"
 
 
-def set_constant(source: str, const: Constant, value) -> str:
-    """source with const's value replaced by `value` (only that span of that line changes)."""
+def set_constant(source: str, const: Constant, value, text: str | None = None) -> str:
+    """source with const's value replaced by `value` (or by the source `text` given); only that span changes."""
     lines = source.splitlines(keepends=True)
     line = lines[const.line - 1]
     encoded = line.encode("utf-8")  # ast columns are UTF-8 byte offsets
-    new_text = format_value(value, const.text).encode("utf-8")
+    new_text = (text if text is not None else format_value(value, const.text)).encode("utf-8")
     lines[const.line - 1] = (encoded[:const.col] + new_text + encoded[const.end_col:]).decode("utf-8")
     return "".join(lines)

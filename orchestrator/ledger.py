@@ -45,6 +45,7 @@ class Record:
     exit_code: int | None = None
     timed_out: bool = False
     best_before: float | None = None
+    info: dict = field(default_factory=dict)  # what the proposer attached (e.g. the queue item id)
 
 
 def _fsync_dir(path: Path) -> None:

@@ -16,7 +16,8 @@ import psutil
 
 from . import LoopError, gitops, harness
 from .ledger import Record, Row, append_row, ensure_header, read_record, read_rows, write_json_atomic, write_record
-from .proposers import Context, Proposer, load
+from .proposers import Context, Proposal, ProposalFailed, Proposer, load
+from .queue import Queue, apply_idea
 from .runner import kill_tree, run_command
 from .session import Lock, Paths, read_status, write_status
 from .summary import last_error_line, parse_summary, val_bpb_of
@@ -32,7 +33,7 @@ class Settings:
     timeout: float | None = None  # hard timeout per run (seconds); default 2 x budget + grace
     max_experiments: int | None = None
     max_hours: float | None = None
-    proposer: str = "perturb"
+    proposer: str = "search"
     profile: str | None = None
     dataset: str | None = None
     seed: int = 42
@@ -88,6 +89,11 @@ class Session:
         self.wt = None
         self.info: harness.HarnessInfo | None = None
         self.prepare_sha = ""
+        self.queue = Queue(self.paths.queue)
+
+    @property
+    def profile(self) -> str | None:
+        return self.info.profile if self.info and self.info.profile else self.settings.profile
 
     def open(self) -> None:
         """Check the repo, make the worktree, prepare and pin the harness. Call with the lock held."""
@@ -192,6 +198,25 @@ def check_edit(session: Session) -> str:
     return ""
 
 
+def propose(session: Session, proposer: Proposer, state: State, record: Record) -> Proposal | None:
+    """The next idea: the baseline first, then queued ideas in order, then the proposer's."""
+    if not any(r.status == "keep" for r in state.records):
+        return Proposal("baseline" if record.n == 1 else "baseline (retry)")
+    workdir, history = session.paths.worktree, list(state.records)
+    try:
+        idea = session.queue.next(history)
+        result = apply_idea(idea, workdir, session.profile) if idea else proposer.propose(workdir, history)
+    except ProposalFailed as e:
+        record.reason = e.reason
+        return Proposal(e.description, e.info)
+    except Exception as e:  # a failing proposer is data, not the end of the night
+        record.reason = f"proposer error: {type(e).__name__}: {e}"
+        return Proposal(record.reason)
+    if result is None or isinstance(result, Proposal):
+        return result
+    return Proposal(str(result))
+
+
 def run_experiment(session: Session, proposer: Proposer, state: State, n: int) -> Record | None:
     """One full experiment; returns its record, or None when the proposer has no more ideas."""
     s, paths = session.settings, session.paths
@@ -203,20 +228,14 @@ def run_experiment(session: Session, proposer: Proposer, state: State, n: int) -
                  train_pid=None, pid=os.getpid(), tag=s.tag, budget=s.budget)
 
     t = time.monotonic()
-    if state.best_bpb is None and not any(r.status == "keep" for r in state.records):
-        description = "baseline" if n == 1 else "baseline (retry)"
-    else:
-        try:
-            description = proposer.propose(paths.worktree, list(state.records))
-        except Exception as e:  # a failing proposer is data, not the end of the night
-            description = f"proposer error: {type(e).__name__}: {e}"
-            record.reason = description
+    proposal = propose(session, proposer, state, record)
     record.timings["propose"] = time.monotonic() - t
-    if description is None:
+    if proposal is None:
         shutil.rmtree(run_dir, ignore_errors=True)
         gitops.reset_to(session.wt, state.best_commit)
         return None
-    record.description = " ".join(str(description).split())[:300]
+    record.description = " ".join(proposal.description.split())[:300]
+    record.info = proposal.info
 
     t = time.monotonic()
     reason = record.reason or check_edit(session)
@@ -288,6 +307,8 @@ def finish(session: Session, state: State, record: Record, reason: str) -> None:
     append_row(session.paths.ledger, Row(record.commit, record.val_bpb or 0.0, float(mem_mb) / 1024,
                                          float(mfu), record.status, description))
     state.add(record)
+    if "queue_id" in record.info:
+        session.queue.mark_done(record.info["queue_id"], session.settings.tag, record.n)
     gitops.reset_to(session.wt, state.best_commit)
     write_status(session.paths, phase="idle", train_pid=None, last=record.n)
 
@@ -317,7 +338,7 @@ def run_loop(settings: Settings, echo: Callable[[str], None] = print) -> State:
         session.open()
         state = session.resume()
         proposer = proposer_cls(Context(repo=settings.repo, tag=settings.tag, seed=settings.seed,
-                                        profile=session.info.profile if session.info else settings.profile))
+                                        profile=session.profile))
         for record in state.records:
             proposer.observe(record)
         echo(f"autoloop: tag {settings.tag} | branch autoloop/{settings.tag} | budget {settings.budget:g}s | "

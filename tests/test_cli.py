@@ -99,3 +99,20 @@ def test_end_to_end_with_the_real_train_py(tiny_env, tmp_path):
     for r in rows:
         assert user.is_ancestor(user.commit(r.commit).hexsha, branch) == (r.status == "keep")
     assert "3 experiments" in proc.stdout.splitlines()[-1]
+
+
+def test_broken_plugin_is_reported_not_fatal(tmp_path):
+    """A third-party proposer registered through a real entry point whose module does not import."""
+    dist = tmp_path / "site" / "broken_plugin-0.1.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-plugin\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[autoloop.proposers]\nbroken = no_such_module_xyz:Proposer\n")
+    env = subprocess_env(PYTHONPATH=str(tmp_path / "site"))
+    listing = autoloop("proposers", env=env)
+    assert listing.returncode == 0
+    assert "broken" in listing.stdout and "failed to load" in listing.stdout and "search" in listing.stdout
+    repo = tmp_path / "repo"
+    make_repo(repo, {"train.py": fakes.ok(1.0)})
+    run = autoloop("run", "--repo", str(repo), "--proposer", "broken", env=env)
+    assert run.returncode == 1 and "proposer 'broken' failed to load" in run.stderr
+    assert "Traceback" not in run.stderr

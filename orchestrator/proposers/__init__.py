@@ -10,9 +10,9 @@ import importlib
 from importlib.metadata import entry_points
 
 from .. import LoopError
-from .base import Context, Proposer
+from .base import Context, Proposal, ProposalFailed, Proposer
 
-__all__ = ["Context", "Proposer", "available", "load"]
+__all__ = ["Context", "Proposal", "ProposalFailed", "Proposer", "available", "load"]
 
 GROUP = "autoloop.proposers"
 

@@ -12,19 +12,37 @@ from ..ledger import Record
 class Context:
     """What a proposer may know about the session."""
 
-    repo: Path  # the user's checkout
+    repo: Path  # the user's checkout (its git objects hold every tried commit)
     tag: str
     profile: str | None  # harness profile (gpu | cpu | tiny) or None when the harness has none
     seed: int = 42
     options: dict = field(default_factory=dict)
 
 
+@dataclass
+class Proposal:
+    """A description plus facts the proposer wants kept in the run record (record.json `info`)."""
+
+    description: str
+    info: dict = field(default_factory=dict)
+
+
+class ProposalFailed(Exception):
+    """The idea could not be applied (e.g. a queued patch no longer applies): recorded as a crash row."""
+
+    def __init__(self, description: str, reason: str, info: dict | None = None):
+        super().__init__(reason)
+        self.description, self.reason, self.info = description, reason, info or {}
+
+
 class Proposer:
     """Edits train.py in a work directory to try one idea.
 
-    `propose` must leave the edited train.py in `workdir` and return a one-line description of the idea,
-    or None when it has no more ideas. It must not touch git, run training or write the ledger: the
-    controller owns all of that and checks whatever the proposer changed.
+    `propose` must leave the edited train.py in `workdir` (which holds the current best commit) and return a
+    one-line description of the idea (or a Proposal), or None when it has no more ideas. It must not touch
+    git, run training or write the ledger: the controller owns all of that and checks what it changed.
+    `history` lists every recorded experiment of the session in order, the baseline first, so a proposer
+    can rebuild its state from it after a restart.
     """
 
     name = "proposer"
@@ -32,11 +50,11 @@ class Proposer:
     def __init__(self, context: Context):
         self.context = context
 
-    def propose(self, workdir: Path, history: list[Record]) -> str | None:
+    def propose(self, workdir: Path, history: list[Record]) -> str | Proposal | None:
         raise NotImplementedError
 
     def observe(self, record: Record) -> None:
-        """Called with every finished experiment's record (including the baseline). Optional."""
+        """Called with every finished experiment's record (the baseline and resumed ones included). Optional."""
 
     def close(self) -> None:
         """Called once when the loop ends. Optional."""

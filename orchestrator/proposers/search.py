@@ -1,0 +1,166 @@
+"""`search` (the default): an adaptive local search over train.py's constants that learns from the history.
+
+Each proposal moves one constant (sometimes two) away from the current best:
+- which constant: untried ones first, then in proportion to how often moving it paid off;
+- which way: keep going where a move was kept, turn around where it was discarded;
+- how far: a per-constant step size that grows after a keep and shrinks after a discard or crash
+  (floats move multiplicatively in log space, powers of two by doublings, other ints by steps, strings
+  among their declared choices);
+- never a configuration that was already tried, and never into a region where moving that constant crashed
+  (e.g. ran out of memory) from a smaller or equal value.
+
+All of it is rebuilt from the history (train.py at each tried commit, and each row's status) on every call,
+so it survives restarts and proposes the same next idea after a resume.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+
+from ..ledger import Record
+from .base import Context, Proposal, Proposer
+from .space import Configs, Param, apply_changes, config_key, describe, read_space, rounded
+
+INITIAL_STEP = {"log": 0.4, "linear": 0.15, "pow2": 1.0, "int": 0.25, "unit": 0.5, "choice": 1.0}
+MIN_STEP = {"log": 0.05, "linear": 0.02, "pow2": 1.0, "int": 0.05, "unit": 0.1, "choice": 1.0}
+MAX_STEP = {"log": 1.5, "linear": 0.5, "pow2": 2.0, "int": 1.0, "unit": 1.5, "choice": 1.0}
+GROW, SHRINK, CRASH_SHRINK = 1.6, 0.75, 0.6
+
+
+class Stats:
+    """What the history says about one dimension."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self.step = INITIAL_STEP[kind]
+        self.tries = self.keeps = 0
+        self.last_direction = 0  # +1 / -1 of the last kept move: keep going that way
+        self.failed_from_best: set[int] = set()  # directions already discarded from the current best
+        self.crash_above: float | None = None  # moving up to this value (or beyond) crashed
+        self.crash_below: float | None = None
+
+    def record(self, outcome: str, direction: int, value, parent_value) -> None:
+        self.tries += 1
+        if outcome == "keep":
+            self.keeps += 1
+            self.last_direction = direction
+            self.step = min(self.step * GROW, MAX_STEP[self.kind])
+        else:
+            self.step = max(self.step * (CRASH_SHRINK if outcome == "crash" else SHRINK), MIN_STEP[self.kind])
+        if outcome == "crash" and self.kind != "choice" and direction:
+            if direction > 0:
+                self.crash_above = value if self.crash_above is None else min(self.crash_above, value)
+            else:
+                self.crash_below = value if self.crash_below is None else max(self.crash_below, value)
+
+
+def _direction(p: Param, before, after) -> int:
+    if p.kind == "choice" or before == after:
+        return 0
+    return 1 if after > before else -1
+
+
+def step_value(p: Param, value, direction: int, step: float, rng: random.Random):
+    """A value `step` (in the dimension's own units, jittered) away from value in the given direction."""
+    jitter = rng.uniform(0.6, 1.4)
+    if p.kind == "log":
+        return value * math.exp(direction * step * jitter)
+    if p.kind == "linear":
+        return value + direction * step * jitter * (p.high - p.low)
+    if p.kind == "pow2":
+        return int(value * 2 ** (direction * max(1, round(step * jitter))))
+    if p.kind == "int":
+        return value + direction * max(1, round(step * jitter * max(abs(value), 1)))
+    if p.kind == "unit":  # move 1 - x in log space: 0.9 -> 0.95 -> 0.975 ...
+        return 1 - (1 - value) * math.exp(-direction * step * jitter)
+    return value
+
+
+class SearchProposer(Proposer):
+    name = "search"
+    max_attempts = 400
+
+    def __init__(self, context: Context):
+        super().__init__(context)
+        self.configs = Configs(context.repo, context.profile)
+
+    def learn(self, space: dict[str, Param], history: list[Record], best: dict) -> tuple[dict[str, Stats], set]:
+        stats = {name: Stats(p.kind) for name, p in space.items()}
+        tried = set()
+        for rec, cfg, parent in self.configs.moves(history):
+            tried.add(config_key(cfg))
+            changed = [n for n in space if n in cfg and n in parent and cfg[n] != parent[n]]
+            for name in changed:
+                p = space[name]
+                d = _direction(p, parent[name], cfg[name])
+                stats[name].record(rec.status, d, cfg[name], parent[name])
+                if parent == best and rec.status != "keep":
+                    stats[name].failed_from_best.add(d)
+        return stats, tried
+
+    def allowed(self, p: Param, s: Stats, value, best_value) -> bool:
+        if p.kind == "choice":
+            return value != best_value
+        if p.low is not None and value < p.low or p.high is not None and value > p.high:
+            return False
+        if s.crash_above is not None and value >= s.crash_above and value > best_value:
+            return False
+        if s.crash_below is not None and value <= s.crash_below and value < best_value:
+            return False
+        return value != best_value
+
+    def candidate(self, p: Param, s: Stats, best_value, rng: random.Random):
+        if p.kind == "choice":
+            return rng.choice([c for c in p.choices if c != best_value] or [best_value])
+        if s.last_direction and s.last_direction not in s.failed_from_best and rng.random() < 0.75:
+            d = s.last_direction
+        else:
+            options = [d for d in (1, -1) if d not in s.failed_from_best] or [1, -1]
+            d = rng.choice(options)
+        return rounded(p.clip(step_value(p, best_value, d, s.step, rng)), p.kind)
+
+    def pick(self, names: list[str], stats: dict[str, Stats], rng: random.Random) -> str:
+        untried = [n for n in names if stats[n].tries == 0]
+        if untried:
+            return untried[0]  # a first sweep in file order: each constant gets one look
+        weights = [(stats[n].keeps + 0.5) / (stats[n].tries + 1) for n in names]
+        return rng.choices(names, weights=weights)[0]
+
+    def propose(self, workdir: Path, history: list[Record]) -> Proposal | None:
+        path = workdir / "train.py"
+        source = path.read_text()
+        space, best = read_space(source, self.context.profile)
+        if not space:
+            return None
+        stats, tried = self.learn(space, history, best)
+        tried.add(config_key(best))
+        rng = random.Random(f"{self.context.seed}:{len(history)}")  # the same proposal after a resume
+        names = list(space)
+        for attempt in range(self.max_attempts):
+            count = 2 if len(history) > len(names) and rng.random() < 0.2 or attempt > self.max_attempts // 2 else 1
+            chosen = []
+            for _ in range(count):
+                name = self.pick([n for n in names if n not in chosen], stats, rng) if len(chosen) < len(names) else None
+                if name:
+                    chosen.append(name)
+            changes = {}
+            for name in chosen:
+                value = self.candidate(space[name], stats[name], best[name], rng)
+                if self.allowed(space[name], stats[name], value, best[name]):
+                    changes[name] = value
+            if not changes:
+                if attempt > 20:  # an untried constant that cannot move must not block the rest
+                    for name in chosen:
+                        stats[name].tries = max(stats[name].tries, 1)
+                continue
+            config = {**best, **changes}
+            if config_key(config) in tried:
+                for name in changes:  # that neighbourhood is explored: look further next time
+                    stats[name].step = min(stats[name].step * 1.3, MAX_STEP[space[name].kind])
+                    stats[name].tries = max(stats[name].tries, 1)
+                continue
+            path.write_text(apply_changes(source, self.context.profile, changes))
+            return Proposal(describe(best, changes), {"changes": {k: repr(v) for k, v in changes.items()}})
+        return None

@@ -1,0 +1,130 @@
+"""Proposers: the constant parser, the contract for every built-in, and what `search` learns."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from orchestrator.contract import FAKE_TRAIN, check_proposer, make_fake_repo, train_sources
+from orchestrator.hparams import read_constants, set_constant
+from orchestrator.ledger import read_rows
+from orchestrator.loop import Settings, run_loop
+from orchestrator.proposers import available
+from orchestrator.proposers.space import config_of
+from orchestrator.queue import Queue
+from orchestrator.session import Paths
+from conftest import ROOT
+
+BUILTINS = ["search", "random", "tpe", "perturb", "queue"]
+
+
+def test_every_builtin_is_registered():
+    assert set(BUILTINS) <= set(available())
+
+
+@pytest.mark.parametrize("name", BUILTINS)
+def test_contract(name, tmp_path):
+    if name == "tpe":
+        pytest.importorskip("optuna")
+    rows = check_proposer(name, tmp_path, experiments=6, setup=queue_three_ideas if name == "queue" else None)
+    if name == "queue":  # the queue runs dry after three ideas: the loop ends there
+        assert [r.description for r in rows] == ["baseline", "lower lr", "mode b", "deeper via patch"]
+        assert [r.status for r in rows[1:]] == ["keep", "keep", "keep"]
+    else:
+        assert len(rows) == 6
+
+
+def queue_three_ideas(repo):
+    q = Queue(Paths(repo, "_").queue)
+    q.add("lower lr", {"LR": "0.02"})
+    q.add("mode b", {"MODE": "'b'"})
+    q.add("deeper via patch", patch="""--- a/train.py
++++ b/train.py
+@@ -9,3 +9,3 @@
+ WIDTH = 128  # channels  [16, 1024]
+-DEPTH = 4  # layers  [1, 12]
++DEPTH = 5  # layers  [1, 12]
+ WARMUP = 0.0  # share of the budget  [0.0, 0.5]
+""")
+
+
+def test_parser_on_the_shipped_train_py():
+    source = (ROOT / "train.py").read_text()
+    cpu = {c.name: c for c in read_constants(source, "cpu")}
+    assert cpu["DEPTH"].value == 4 and cpu["DEPTH"].profile == "cpu" and (cpu["DEPTH"].low, cpu["DEPTH"].high) == (1, 32)
+    assert read_constants(source, "gpu")[0].value == 8
+    assert cpu["TOTAL_BATCH_SIZE"].value == 2**12 and cpu["HEAD_DIM"].choices == (32, 64, 128)
+    assert cpu["WINDOW_PATTERN"].choices == ("auto", "L", "SL", "SSL", "SSSL")
+    assert "FINAL_EVAL_BATCH_SIZE" not in cpu  # [fixed]
+    edited = set_constant(source, cpu["TOTAL_BATCH_SIZE"], 2**13)
+    assert "cpu=2**13, tiny=2**9)  # tokens per optimizer step" in edited
+    assert sum(a != b for a, b in zip(source.splitlines(), edited.splitlines())) == 1
+
+
+def test_parser_on_odd_layouts():
+    source = textwrap.dedent('''\
+        X = 1  # before the section: ignored
+        # ---------------------------------------------------------------------------
+        # Hyperparameters
+        # ---------------------------------------------------------------------------
+        NEG = -3  # offset  [-10, 10]
+        SCI = 1e-4  # tiny rate [1e-6, 1e-2]
+        POW = 2**8
+        BETAS = (0.9, 0.95)  # a tuple
+        NAME = 'x'  # {x, y, z}
+        lower = 5
+        MULTI = (
+            1, 2)
+        EXPR = some_function(3)
+        A, B = 1, 2
+        HASH = 3  # a comment with # inside and [brackets] mid-text
+        # ---------------------------------------------------------------------------
+        # Model
+        # ---------------------------------------------------------------------------
+        AFTER = 7
+        ''')
+    consts = {c.name: c for c in read_constants(source)}
+    assert list(consts) == ["NEG", "SCI", "POW", "BETAS", "NAME", "HASH"]
+    assert consts["NEG"].value == -3 and (consts["NEG"].low, consts["NEG"].high) == (-10, 10)
+    assert consts["SCI"].value == 1e-4 and consts["SCI"].high == 1e-2
+    assert consts["POW"].value == 256 and consts["BETAS"].value == (0.9, 0.95)
+    assert consts["NAME"].choices == ("x", "y", "z") and consts["HASH"].low is None
+    out = set_constant(source, consts["NEG"], -4)
+    assert "NEG = -4  # offset  [-10, 10]" in out
+    out = set_constant(out, consts["SCI"], 3e-5)
+    assert "SCI = 3e-05  # tiny rate [1e-6, 1e-2]" in out
+    assert "POW = 2**9" in set_constant(source, consts["POW"], 512)
+    assert config_of(source, None)["BETAS[1]"] == 0.95
+
+
+def run_search(repo, n, seed=0, tag="s"):
+    return run_loop(Settings(repo=repo, tag=tag, budget=1, timeout=30, proposer="search", max_experiments=n,
+                             seed=seed), echo=lambda line: None)
+
+
+def test_search_improves_never_repeats_and_avoids_the_crash_region(tmp_path):
+    repo = make_fake_repo(tmp_path / "r")
+    state = run_search(repo, 30)
+    rows = read_rows(repo / "results.tsv")
+    sources = train_sources(repo, "s", len(rows))
+    configs = [config_of(s, None) for s in sources]
+    assert len({tuple(sorted((k, repr(v)) for k, v in c.items())) for c in configs}) == len(configs)
+    assert state.best_bpb < rows[0].val_bpb - 0.05  # it finds real improvements on the bowl
+    ooms = [i for i, r in enumerate(rows) if "out of memory" in r.description]
+    assert len(ooms) <= 1  # after one out-of-memory crash it stays out of that region
+    if ooms:
+        crashed_width = configs[ooms[0]]["WIDTH"]
+        assert all(c["WIDTH"] < crashed_width for c in configs[ooms[0] + 1:])
+    for row in rows[1:]:
+        assert " -> " in row.description  # e.g. "LR 0.04 -> 0.0567"
+
+
+def test_search_survives_a_restart(tmp_path):
+    straight = make_fake_repo(tmp_path / "a")
+    run_search(straight, 10)
+    resumed = make_fake_repo(tmp_path / "b")
+    run_search(resumed, 4)
+    run_search(resumed, 10)  # a new proposer instance, rebuilt from results.tsv + records + git
+    assert [r.description for r in read_rows(straight / "results.tsv")] == \
+           [r.description for r in read_rows(resumed / "results.tsv")]
