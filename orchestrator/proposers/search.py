@@ -1,7 +1,8 @@
 """`search` (the default): an adaptive local search over train.py's constants that learns from the history.
 
 Each proposal moves one constant (sometimes two) away from the current best:
-- which constant: untried ones first, then in proportion to how often moving it paid off;
+- which constant: drawn in proportion to how often moving it paid off (untried ones, and learning rates and
+  schedules before sizes, start ahead); after a kept move, usually the same constant again, further;
 - which way: keep going where a move was kept, turn around where it was discarded;
 - how far: a per-constant step size that grows after a keep and shrinks after a discard or crash
   (floats move multiplicatively in log space, powers of two by doublings, other ints by steps, strings
@@ -27,6 +28,16 @@ INITIAL_STEP = {"log": 0.4, "linear": 0.15, "pow2": 1.0, "int": 0.25, "unit": 0.
 MIN_STEP = {"log": 0.05, "linear": 0.02, "pow2": 1.0, "int": 0.05, "unit": 0.1, "choice": 1.0}
 MAX_STEP = {"log": 1.5, "linear": 0.5, "pow2": 2.0, "int": 1.0, "unit": 1.5, "choice": 1.0}
 GROW, SHRINK, CRASH_SHRINK = 1.6, 0.75, 0.6
+
+
+# Before any evidence, rates and schedule constants are the likeliest wins and the cheapest to try; sizes
+# (which also change speed and memory) come next; anything else after. Evidence quickly outweighs this.
+PRIORS = ((("LR", "RATE"), 3.0), (("WARMUP", "WARMDOWN", "DECAY", "MOMENTUM", "BETA", "FRAC", "CAP"), 2.0),
+          (("DEPTH", "DIM", "RATIO", "BATCH", "WIDTH", "HEAD"), 1.0))
+
+
+def prior(name: str) -> float:
+    return next((w for keys, w in PRIORS if any(k in name.upper() for k in keys)), 0.7)
 
 
 class Stats:
@@ -122,10 +133,8 @@ class SearchProposer(Proposer):
         return rounded(p.clip(step_value(p, best_value, d, s.step, rng)), p.kind)
 
     def pick(self, names: list[str], stats: dict[str, Stats], rng: random.Random) -> str:
-        untried = [n for n in names if stats[n].tries == 0]
-        if untried:
-            return untried[0]  # a first sweep in file order: each constant gets one look
-        weights = [(stats[n].keeps + 0.5) / (stats[n].tries + 1) for n in names]
+        """A constant to move: likelier when its moves paid off, untried, or of a kind that usually matters."""
+        weights = [prior(n) * (stats[n].keeps + 1) / (stats[n].tries + 1) ** 0.7 for n in names]
         return rng.choices(names, weights=weights)[0]
 
     def propose(self, workdir: Path, history: list[Record]) -> Proposal | None:
@@ -138,6 +147,9 @@ class SearchProposer(Proposer):
         tried.add(config_key(best))
         rng = random.Random(f"{self.context.seed}:{len(history)}")  # the same proposal after a resume
         names = list(space)
+        push = self.momentum(space, history, best, stats, tried, rng)
+        if push is not None:
+            return self.write(path, source, best, push)
         for attempt in range(self.max_attempts):
             count = 2 if len(history) > len(names) and rng.random() < 0.2 or attempt > self.max_attempts // 2 else 1
             chosen = []
@@ -161,6 +173,29 @@ class SearchProposer(Proposer):
                     stats[name].step = min(stats[name].step * 1.3, MAX_STEP[space[name].kind])
                     stats[name].tries = max(stats[name].tries, 1)
                 continue
-            path.write_text(apply_changes(source, self.context.profile, changes))
-            return Proposal(describe(best, changes), {"changes": {k: repr(v) for k, v in changes.items()}})
+            return self.write(path, source, best, changes)
         return None
+
+    def momentum(self, space, history, best, stats, tried, rng) -> dict | None:
+        """After a kept move, usually push the same constants further the same way (pattern search)."""
+        moves = self.configs.moves(history[-1:])
+        if not moves or moves[0][0].status != "keep" or rng.random() > 0.7:
+            return None
+        _, cfg, parent = moves[0]
+        changes = {}
+        for name in (n for n in space if n in cfg and n in parent and cfg[n] != parent[n]):
+            p, s = space[name], stats[name]
+            d = _direction(p, parent[name], cfg[name])
+            if not d:
+                return None
+            value = rounded(p.clip(step_value(p, best[name], d, s.step, rng)), p.kind)
+            if not self.allowed(p, s, value, best[name]):
+                return None
+            changes[name] = value
+        if not changes or config_key({**best, **changes}) in tried:
+            return None
+        return changes
+
+    def write(self, path: Path, source: str, best: dict, changes: dict) -> Proposal:
+        path.write_text(apply_changes(source, self.context.profile, changes))
+        return Proposal(describe(best, changes), {"changes": {k: repr(v) for k, v in changes.items()}})
