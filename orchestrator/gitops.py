@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import git
@@ -111,3 +112,44 @@ def is_ancestor(repo: git.Repo, commit: str, of: str) -> bool:
         return True
     except git.GitCommandError:
         return False
+
+
+def ensure_detached_worktree(repo: git.Repo, path: Path, commit: str) -> git.Repo:
+    """A detached worktree at path (for proposers to edit in while another experiment trains)."""
+    if not (path / ".git").exists():
+        repo.git.worktree("prune")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        repo.git.worktree("add", "--detach", str(path), commit)
+    return git.Repo(path)
+
+
+def checkout_clean(wt: git.Repo, commit: str) -> None:
+    """Detached HEAD at commit with a pristine tree (a proposal starts from exactly the base commit)."""
+    wt.git.checkout("-q", "--detach", "--force", commit)
+    wt.git.clean("-fdq")
+
+
+def diff_all(wt: git.Repo, base: str) -> str:
+    """Everything changed in the worktree relative to base, untracked files included, as a binary patch."""
+    wt.git.add("-A")
+    try:
+        return wt.git.diff("--cached", "--binary", base, stdout_as_string=True, strip_newline_in_stdout=False)
+    finally:
+        wt.git.reset("-q")
+
+
+def apply_patch(wt: git.Repo, patch: str, three_way: bool = False) -> str:
+    """Apply a patch to the worktree; '' on success, else git's complaint in one line."""
+    if not patch.strip():
+        return ""
+    args = ["git", "apply", "--binary", "--whitespace=nowarn"] + (["--3way"] if three_way else []) + ["-"]
+    try:
+        proc = subprocess.run(args, cwd=wt.working_tree_dir, input=patch.encode(), capture_output=True)
+    except OSError as e:
+        return str(e)
+    if proc.returncode != 0:
+        clean(wt)
+        return " ".join(proc.stderr.decode(errors="replace").split())[:200]
+    if three_way:
+        wt.git.reset("-q")  # --3way stages the result; the loop commits everything itself
+    return ""

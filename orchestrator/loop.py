@@ -16,8 +16,9 @@ import psutil
 
 from . import LoopError, gitops, harness
 from .ledger import Record, Row, append_row, ensure_header, read_record, read_rows, write_json_atomic, write_record
-from .proposers import Context, Proposal, ProposalFailed, Proposer, load
-from .queue import Queue, apply_idea
+from .pipeline import Prefetch, Prepared, make_proposal
+from .proposers import Context, Proposer, load
+from .queue import Queue
 from .runner import kill_tree, run_command
 from .session import Lock, Paths, read_status, write_status
 from .summary import last_error_line, parse_summary, val_bpb_of
@@ -38,6 +39,10 @@ class Settings:
     dataset: str | None = None
     seed: int = 42
     cache: str | None = None
+    pipeline: bool | None = None  # prepare the next idea while one trains; None: as the proposer prefers
+    max_tokens: int | None = None  # stop once the proposer's LLM usage reaches this many tokens
+    max_cost: float | None = None  # ... or this many dollars (needs prices in the proposer options)
+    options: dict = field(default_factory=dict)  # proposer options (agent command, LLM endpoint, ...)
 
     @property
     def hard_timeout(self) -> float:
@@ -90,6 +95,16 @@ class Session:
         self.info: harness.HarnessInfo | None = None
         self.prepare_sha = ""
         self.queue = Queue(self.paths.queue)
+        self.pipeline = bool(settings.pipeline)
+        self.prefetch: Prefetch | None = None
+        self._proposal_wt = None
+
+    def proposal_worktree(self, base: str):
+        """The proposers' worktree, reset to base (detached; never on the loop's branch)."""
+        if self._proposal_wt is None:
+            self._proposal_wt = gitops.ensure_detached_worktree(self.repo, self.paths.proposal, base)
+        gitops.checkout_clean(self._proposal_wt, base)
+        return self._proposal_wt
 
     @property
     def profile(self) -> str | None:
@@ -198,23 +213,39 @@ def check_edit(session: Session) -> str:
     return ""
 
 
-def propose(session: Session, proposer: Proposer, state: State, record: Record) -> Proposal | None:
-    """The next idea: the baseline first, then queued ideas in order, then the proposer's."""
+def next_idea(session: Session, proposer: Proposer, state: State, n: int) -> tuple[Prepared, float]:
+    """The idea for experiment n on the current best, and how long the loop waited for it.
+
+    The baseline first; then a prefetched idea if one was prepared while the last experiment trained
+    (re-applied on the new best if that one was kept, asked again if it no longer applies); else a fresh one.
+    """
+    best = state.best_commit
     if not any(r.status == "keep" for r in state.records):
-        return Proposal("baseline" if record.n == 1 else "baseline (retry)")
-    workdir, history = session.paths.worktree, list(state.records)
-    try:
-        idea = session.queue.next(history)
-        result = apply_idea(idea, workdir, session.profile) if idea else proposer.propose(workdir, history)
-    except ProposalFailed as e:
-        record.reason = e.reason
-        return Proposal(e.description, e.info)
-    except Exception as e:  # a failing proposer is data, not the end of the night
-        record.reason = f"proposer error: {type(e).__name__}: {e}"
-        return Proposal(record.reason)
-    if result is None or isinstance(result, Proposal):
-        return result
-    return Proposal(str(result))
+        session.prefetch = None
+        return Prepared(base=best, description="baseline" if n == 1 else "baseline (retry)"), 0.0
+    t = time.monotonic()
+    prepared = session.prefetch.result() if session.prefetch is not None else None
+    session.prefetch = None
+    if prepared is not None and prepared.base != best and not prepared.exhausted:
+        if prepared.reason or gitops.apply_patch(session.wt, prepared.patch, three_way=True):
+            prepared = None  # made for an older best and does not carry over: ask again
+        else:
+            prepared.patch = gitops.diff_all(session.wt, best)
+            gitops.reset_to(session.wt, best)
+    if prepared is None:
+        prepared = make_proposal(session, proposer, best, list(state.records))
+    return prepared, time.monotonic() - t
+
+
+def start_prefetch(session: Session, proposer: Proposer, state: State, running: Record) -> None:
+    """Ask for the next idea now, on the current best, while `running` trains."""
+    s = session.settings
+    if not session.pipeline or (s.max_experiments is not None and running.n >= s.max_experiments):
+        return
+    inflight = Record(n=running.n, status="running", description=running.description, commit=running.commit,
+                      parent=running.parent, info=running.info)
+    history, best = [*state.records, inflight], state.best_commit
+    session.prefetch = Prefetch(lambda: make_proposal(session, proposer, best, history))
 
 
 def run_experiment(session: Session, proposer: Proposer, state: State, n: int) -> Record | None:
@@ -227,18 +258,19 @@ def run_experiment(session: Session, proposer: Proposer, state: State, n: int) -
     write_status(paths, phase="proposing", n=n, experiment_started=record.started, description="",
                  train_pid=None, pid=os.getpid(), tag=s.tag, budget=s.budget)
 
-    t = time.monotonic()
-    proposal = propose(session, proposer, state, record)
-    record.timings["propose"] = time.monotonic() - t
-    if proposal is None:
+    prepared, waited = next_idea(session, proposer, state, n)
+    record.timings["propose"], record.timings["propose_wait"] = prepared.seconds, waited
+    if prepared.exhausted:
         shutil.rmtree(run_dir, ignore_errors=True)
-        gitops.reset_to(session.wt, state.best_commit)
         return None
-    record.description = " ".join(proposal.description.split())[:300]
-    record.info = proposal.info
+    record.description, record.info, reason = prepared.description, prepared.info, prepared.reason
+    if prepared.log:
+        (run_dir / "proposer.log").write_text(prepared.log)
 
     t = time.monotonic()
-    reason = record.reason or check_edit(session)
+    if not reason and (error := gitops.apply_patch(session.wt, prepared.patch)):
+        reason = f"the proposal does not apply: {error}"
+    reason = reason or check_edit(session)
     problems = [] if reason else session.integrity_problems()  # an edit outside train.py never runs anyway
     if problems:
         raise LoopError(f"the prepared harness no longer verifies ({'; '.join(problems)}); an earlier run may have "
@@ -252,6 +284,7 @@ def run_experiment(session: Session, proposer: Proposer, state: State, n: int) -
     record.timings["git"] = time.monotonic() - t
 
     if not reason:
+        start_prefetch(session, proposer, state, record)
         reason = train(session, record, run_dir)
     finish(session, state, record, reason)
     return record
@@ -323,7 +356,31 @@ def _stop_reason(settings: Settings, state: State, started: float) -> str:
         return f"reached --max-experiments {settings.max_experiments}"
     if settings.max_hours is not None and time.time() - started >= settings.max_hours * 3600:
         return f"reached --max-hours {settings.max_hours:g}"
+    tokens, cost = usage_totals(state)
+    if settings.max_tokens is not None and tokens >= settings.max_tokens:
+        return f"reached --max-tokens {settings.max_tokens} ({tokens} used)"
+    if settings.max_cost is not None and cost >= settings.max_cost:
+        return f"reached --max-cost {settings.max_cost:g} (${cost:.2f} spent)"
     return ""
+
+
+MAX_FAILED_PROPOSALS = 5  # ideas in a row that fail before training: the proposer is broken, not unlucky
+
+
+def check_failing_proposer(state: State) -> None:
+    recent = state.records[-MAX_FAILED_PROPOSALS:]
+    if len(recent) == MAX_FAILED_PROPOSALS and all(r.status == "crash" and "train" not in r.timings
+                                                    for r in recent):
+        raise LoopError(f"the last {MAX_FAILED_PROPOSALS} ideas all failed before training (last: "
+                        f"{recent[-1].reason}); check the proposer's settings and its log in "
+                        f"runs/{recent[-1].n}/, then run the same command to resume")
+
+
+def usage_totals(state: State) -> tuple[int, float]:
+    """Tokens and dollars the proposer reported over the session (record.json info.usage)."""
+    tokens = sum(int(r.info.get("usage", {}).get("total_tokens", 0)) for r in state.records)
+    cost = sum(float(r.info.get("usage", {}).get("cost", 0.0)) for r in state.records)
+    return tokens, cost
 
 
 def _sigterm_to_interrupt(signum, frame):
@@ -338,12 +395,13 @@ def run_loop(settings: Settings, echo: Callable[[str], None] = print) -> State:
         session.open()
         state = session.resume()
         proposer = proposer_cls(Context(repo=settings.repo, tag=settings.tag, seed=settings.seed,
-                                        profile=session.profile))
+                                        profile=session.profile, options=dict(settings.options)))
+        session.pipeline = proposer.pipeline if settings.pipeline is None else settings.pipeline
         for record in state.records:
             proposer.observe(record)
         echo(f"autoloop: tag {settings.tag} | branch autoloop/{settings.tag} | budget {settings.budget:g}s | "
-             f"timeout {settings.hard_timeout:.0f}s | proposer {settings.proposer} | "
-             f"{state.done} experiment(s) already recorded")
+             f"timeout {settings.hard_timeout:.0f}s | proposer {settings.proposer}"
+             f"{' (pipelined)' if session.pipeline else ''} | {state.done} experiment(s) already recorded")
         echo(console_header())
         started, stop = time.time(), ""
         previous = signal.signal(signal.SIGTERM, _sigterm_to_interrupt)
@@ -353,12 +411,17 @@ def run_loop(settings: Settings, echo: Callable[[str], None] = print) -> State:
                 if record is None:
                     stop = "the proposer has no more ideas"
                     break
-                proposer.observe(record)
                 echo(console_line(record, state))
+                if session.prefetch is not None:
+                    session.prefetch.result()  # observe() never runs while propose() does
+                proposer.observe(record)
                 if record.n == 1 and record.status == "crash":
                     raise LoopError(f"the unmodified baseline crashed ({record.reason}); fix train.py or the "
                                     f"environment, see {session.paths.run_dir(1) / 'run.log'}")
+                check_failing_proposer(state)
         except KeyboardInterrupt:
+            proposer.cancelled.set()
+            session.prefetch = None
             gitops.reset_to(session.wt, state.best_commit)
             write_status(session.paths, phase="stopped", train_pid=None)
             echo(f"autoloop: interrupted; experiment {state.done + 1} was not recorded. "

@@ -27,6 +27,10 @@ class Paths:
         return self.state / "worktree"
 
     @property
+    def proposal(self) -> Path:
+        return self.state / "proposal"
+
+    @property
     def ledger(self) -> Path:
         return self.state / "results.tsv"
 

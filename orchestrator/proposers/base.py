@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +26,7 @@ class Proposal:
 
     description: str
     info: dict = field(default_factory=dict)
+    log: str = ""  # the proposer's own output (e.g. a coding agent's), saved as proposer.log with the run
 
 
 class ProposalFailed(Exception):
@@ -42,13 +44,16 @@ class Proposer:
     one-line description of the idea (or a Proposal), or None when it has no more ideas. It must not touch
     git, run training or write the ledger: the controller owns all of that and checks what it changed.
     `history` lists every recorded experiment of the session in order, the baseline first, so a proposer
-    can rebuild its state from it after a restart.
+    can rebuild its state from it after a restart. With pipelining, its last entry may be the experiment
+    still training (status "running"): count it as tried, not as a result.
     """
 
     name = "proposer"
+    pipeline = False  # slow proposers (LLMs, agents) set True: the next idea is prepared while one trains
 
     def __init__(self, context: Context):
         self.context = context
+        self.cancelled = threading.Event()  # set when the loop stops; long-running proposers should give up
 
     def propose(self, workdir: Path, history: list[Record]) -> str | Proposal | None:
         raise NotImplementedError

@@ -102,6 +102,8 @@ class SearchProposer(Proposer):
         tried = set()
         for rec, cfg, parent in self.configs.moves(history):
             tried.add(config_key(cfg))
+            if rec.status not in ("keep", "discard", "crash"):
+                continue  # still training (pipelined): tried, but no result to learn from yet
             changed = [n for n in space if n in cfg and n in parent and cfg[n] != parent[n]]
             for name in changed:
                 p = space[name]
@@ -178,7 +180,7 @@ class SearchProposer(Proposer):
 
     def momentum(self, space, history, best, stats, tried, rng) -> dict | None:
         """After a kept move, usually push the same constants further the same way (pattern search)."""
-        moves = self.configs.moves(history[-1:])
+        moves = self.configs.moves([r for r in history if r.status != "running"][-1:])
         if not moves or moves[0][0].status != "keep" or rng.random() > 0.7:
             return None
         _, cfg, parent = moves[0]

@@ -51,6 +51,8 @@ class TPEProposer(Proposer):
         tried = {config_key(best)}
         for rec, cfg, _ in self.configs.moves(history):
             tried.add(config_key(cfg))
+            if rec.status not in ("keep", "discard", "crash"):
+                continue  # still training
             params = {n: cfg[n] for n in space if n in cfg and dists[n]._contains(dists[n].to_internal_repr(cfg[n]))}
             state = optuna.trial.TrialState.COMPLETE if rec.val_bpb is not None and rec.status != "crash" \
                 else optuna.trial.TrialState.FAIL

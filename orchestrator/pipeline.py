@@ -1,0 +1,81 @@
+"""Proposals are made in their own worktree, so the next idea can be prepared while an experiment trains.
+
+`make_proposal` resets the proposal worktree to a base commit, asks for one idea (a queued idea first, else
+the proposer), and captures everything the proposer changed as a patch. The loop applies the patch in the
+experiment worktree; if the base moved on (the previous experiment was kept) it re-applies the patch on the
+new best with a three-way merge, and asks again if that fails.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from . import gitops
+from .ledger import Record
+from .proposers import Proposal, ProposalFailed, Proposer
+from .queue import apply_idea
+
+
+@dataclass
+class Prepared:
+    base: str  # the commit the idea was made on
+    description: str = ""
+    info: dict = field(default_factory=dict)
+    patch: str = ""  # everything the proposer changed (binary diff against base)
+    reason: str = ""  # set when the idea could not be made: recorded as a crash without a run
+    log: str = ""  # the proposer's own output (e.g. a coding agent's), saved with the run
+    seconds: float = 0.0
+    exhausted: bool = False  # the proposer has no more ideas
+
+
+def make_proposal(session, proposer: Proposer, base: str, history: list[Record]) -> Prepared:
+    """One idea on top of `base`, made in the session's proposal worktree."""
+    t0 = time.monotonic()
+    wt = session.proposal_worktree(base)
+    workdir = session.paths.proposal
+    prepared = Prepared(base=base)
+    try:
+        idea = session.queue.next(history)
+        result = apply_idea(idea, workdir, session.profile) if idea else proposer.propose(workdir, history)
+    except ProposalFailed as e:
+        result = Proposal(e.description, e.info)
+        prepared.reason = e.reason
+    except Exception as e:  # a failing proposer is data, not the end of the night
+        prepared.reason = f"proposer error: {type(e).__name__}: {e}"
+        result = Proposal(prepared.reason)
+    if result is None:
+        prepared.exhausted = True
+    else:
+        result = result if isinstance(result, Proposal) else Proposal(str(result))
+        prepared.description = " ".join(result.description.split())[:300] or "(no description)"
+        prepared.info, prepared.log = dict(result.info), result.log
+        prepared.patch = gitops.diff_all(wt, base)
+    prepared.seconds = time.monotonic() - t0
+    return prepared
+
+
+class Prefetch:
+    """Runs one make_proposal in a daemon thread (a hung LLM call must not block the controller's exit)."""
+
+    def __init__(self, fn: Callable[[], Prepared]):
+        self._value: Prepared | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True, name="autoloop-prefetch")
+        self._thread.start()
+
+    def _run(self, fn):
+        try:
+            self._value = fn()
+        except BaseException as e:  # handed to the main thread by result()
+            self._error = e
+
+    def result(self) -> Prepared:
+        """Wait for the idea (repeatable: later calls return the same one)."""
+        while self._thread.is_alive():
+            self._thread.join(0.2)  # short joins keep Ctrl-C responsive
+        if self._error is not None:
+            raise self._error
+        return self._value
