@@ -1,8 +1,10 @@
 """Measure the controller's own cost: overhead per experiment and duty cycle of the training slot.
 
 A fake train.py sleeps for the budget and prints the summary block, so everything else is the loop's doing.
+--propose-seconds makes the proposer as slow as an LLM; compare --pipeline with --no-pipeline.
 
     python benchmarks/loop_overhead.py --budget 30 --experiments 6
+    python benchmarks/loop_overhead.py --budget 30 --experiments 6 --propose-seconds 20 --no-pipeline
 """
 
 from __future__ import annotations
@@ -14,9 +16,23 @@ import tempfile
 import time
 from pathlib import Path
 
+import os
+
 from orchestrator.ledger import read_record
 from orchestrator.loop import Settings, run_loop
+from orchestrator.proposers.perturb import PerturbProposer
 from orchestrator.session import Paths
+
+
+class SlowProposer(PerturbProposer):
+    """perturb, but each idea takes $AUTOLOOP_BENCH_PROPOSE_S seconds (like an LLM)."""
+
+    name = "slow"
+    pipeline = True
+
+    def propose(self, workdir, history):
+        time.sleep(float(os.environ.get("AUTOLOOP_BENCH_PROPOSE_S", "0")))
+        return super().propose(workdir, history)
 
 FAKE_TRAIN = '''"""fake train.py: sleeps for the budget, prints the summary"""
 import os, time
@@ -38,7 +54,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budget", type=float, default=30.0, help="training seconds per experiment")
     ap.add_argument("--experiments", type=int, default=6)
+    ap.add_argument("--propose-seconds", type=float, default=0.0, help="seconds the proposer takes per idea")
+    ap.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=True,
+                    help="prepare the next idea while one trains (matters with --propose-seconds)")
     args = ap.parse_args()
+    os.environ["AUTOLOOP_BENCH_PROPOSE_S"] = str(args.propose_seconds)
     with tempfile.TemporaryDirectory() as tmp:
         repo = Path(tmp) / "repo"
         repo.mkdir()
@@ -47,18 +67,21 @@ def main() -> None:
                     ["git", "-c", "user.name=b", "-c", "user.email=b@b", "commit", "-qm", "init"]):
             subprocess.run(cmd, cwd=repo, check=True)
         settings = Settings(repo=repo, tag="bench", budget=args.budget, max_experiments=args.experiments,
-                            proposer="perturb")
+                            proposer="__main__:SlowProposer", pipeline=args.pipeline)
         t0 = time.monotonic()
         run_loop(settings, echo=lambda line: None)
         wall = time.monotonic() - t0
         records = [read_record(Paths(repo, "bench").run_dir(n)) for n in range(1, args.experiments + 1)]
     train = [r.timings.get("train", 0.0) for r in records]
-    propose = [r.timings.get("propose", 0.0) for r in records]
-    per_exp = [(r.ended - r.started) - r.timings.get("train", 0.0) - r.timings.get("propose", 0.0) for r in records]
-    overhead = (wall - sum(train) - sum(propose)) / len(records)
-    print(f"experiments:                  {len(records)} at a {args.budget:g}s budget")
+    waited = [r.timings.get("propose_wait", 0.0) for r in records]
+    per_exp = [(r.ended - r.started) - r.timings.get("train", 0.0) - r.timings.get("propose_wait", 0.0)
+               for r in records]
+    overhead = (wall - sum(train) - sum(waited)) / len(records)
+    print(f"experiments:                  {len(records)} at a {args.budget:g}s budget, proposer "
+          f"{args.propose_seconds:g}s per idea, pipeline {'on' if args.pipeline else 'off'}")
     print(f"session wall time:            {wall:.2f}s (includes session start-up)")
-    print(f"controller overhead / exp:    {overhead:.3f}s (session wall - training - proposing) / experiments")
+    print(f"waiting for ideas:            {sum(waited):.2f}s in all")
+    print(f"controller overhead / exp:    {overhead:.3f}s (session wall - training - waiting for ideas) / experiments")
     print(f"  within an experiment:       median {statistics.median(per_exp):.3f}s, max {max(per_exp):.3f}s")
     print(f"duty cycle:                   {100 * sum(train) / wall:.2f}% of wall time with a training process")
 

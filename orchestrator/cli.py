@@ -19,6 +19,9 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+AGENT_PRESETS = ("aider", "claude", "codex", "gemini", "opencode")  # orchestrator.proposers.agent.PRESETS
+PROPOSER_OPTIONS = ("program", "prompt_chars", "agent", "agent_cmd", "agent_timeout", "llm_base_url", "llm_model",
+                    "llm_api_key_env", "llm_timeout", "llm_price_in", "llm_price_out")
 
 
 def default_tag() -> str:
@@ -103,6 +106,33 @@ def main() -> None:
               help="pystdlib | climbmix | tinystories | a directory of .txt/.jsonl/.parquet.  [default: pystdlib]")
 @click.option("--seed", type=int, default=42, show_default=True, envvar="AUTOLOOP_SEED", show_envvar=True,
               help="Seed passed to every run (AUTOLOOP_SEED); owned by the controller, not train.py.")
+@click.option("--pipeline/--no-pipeline", default=None, envvar="AUTOLOOP_PIPELINE", show_envvar=True,
+              help="Prepare the next idea while an experiment trains.  [default: on for agent and llm]")
+@click.option("--program", envvar="AUTOLOOP_PROGRAM", show_envvar=True,
+              help="The research brief handed to LLM proposers.  [default: program.md in the repo]")
+@click.option("--prompt-chars", type=click.IntRange(min=2000), envvar="AUTOLOOP_PROMPT_CHARS", show_envvar=True,
+              help="Upper bound on the prompt's size in characters.  [default: 48000]")
+@click.option("--agent", type=click.Choice(sorted(AGENT_PRESETS)), envvar="AUTOLOOP_AGENT", show_envvar=True,
+              help="Coding-agent preset for --proposer agent.  [default: claude]")
+@click.option("--agent-cmd", envvar="AUTOLOOP_AGENT_CMD", show_envvar=True,
+              help="Any agent command instead of a preset; placeholders {prompt}, {prompt_file}, {workdir}.")
+@click.option("--agent-timeout", type=click.FloatRange(min=0, min_open=True), envvar="AUTOLOOP_AGENT_TIMEOUT",
+              show_envvar=True, help="Seconds an agent may take for one idea.  [default: 900]")
+@click.option("--llm-base-url", envvar="AUTOLOOP_LLM_BASE_URL", show_envvar=True,
+              help="OpenAI-compatible endpoint for --proposer llm.  [default: https://api.openai.com/v1]")
+@click.option("--llm-model", envvar="AUTOLOOP_LLM_MODEL", show_envvar=True, help="Model name for --proposer llm.")
+@click.option("--llm-api-key-env", envvar="AUTOLOOP_LLM_API_KEY_ENV", show_envvar=True,
+              help="Environment variable holding the API key.  [default: OPENAI_API_KEY; optional for localhost]")
+@click.option("--llm-timeout", type=click.FloatRange(min=0, min_open=True), envvar="AUTOLOOP_LLM_TIMEOUT",
+              show_envvar=True, help="Seconds per LLM request.  [default: 600]")
+@click.option("--llm-price-in", type=click.FloatRange(min=0), envvar="AUTOLOOP_LLM_PRICE_IN", show_envvar=True,
+              help="Dollars per million prompt tokens (for cost tracking and --max-cost).")
+@click.option("--llm-price-out", type=click.FloatRange(min=0), envvar="AUTOLOOP_LLM_PRICE_OUT", show_envvar=True,
+              help="Dollars per million completion tokens.")
+@click.option("--max-tokens", type=click.IntRange(min=1), envvar="AUTOLOOP_MAX_TOKENS", show_envvar=True,
+              help="Stop once the proposer's LLM usage reaches this many tokens.")
+@click.option("--max-cost", type=click.FloatRange(min=0, min_open=True), envvar="AUTOLOOP_MAX_COST",
+              show_envvar=True, help="Stop once the proposer's LLM cost reaches this many dollars.")
 @click.pass_context
 def run(ctx: click.Context, **values) -> None:
     """Run the loop until a limit, the proposer runs dry, or Ctrl-C. Re-run the same command to resume."""
@@ -110,10 +140,13 @@ def run(ctx: click.Context, **values) -> None:
 
     repo = resolve_repo(values.pop("repo"))
     values = apply_pyproject(ctx, values, repo)
+    options = {k: values.pop(k) for k in PROPOSER_OPTIONS}
     settings = Settings(repo=repo, tag=values["tag"] or default_tag(), budget=values["budget"],
                         timeout=values["timeout"], max_experiments=values["max_experiments"],
                         max_hours=values["max_hours"], proposer=values["proposer"], profile=values["profile"],
-                        dataset=values["dataset"], seed=values["seed"])
+                        dataset=values["dataset"], seed=values["seed"], pipeline=values["pipeline"],
+                        max_tokens=values["max_tokens"], max_cost=values["max_cost"],
+                        options={k: v for k, v in options.items() if v is not None})
     try:
         run_loop(settings, echo=lambda line: click.echo(line))
     except LoopError as e:

@@ -148,7 +148,7 @@ def apply_patch(wt: git.Repo, patch: str, three_way: bool = False) -> str:
     except OSError as e:
         return str(e)
     if proc.returncode != 0:
-        clean(wt)
+        reset_to(wt, "HEAD")  # a failed --3way leaves conflicts in the index: drop everything
         return " ".join(proc.stderr.decode(errors="replace").split())[:200]
     if three_way:
         wt.git.reset("-q")  # --3way stages the result; the loop commits everything itself

@@ -41,7 +41,7 @@ def make_proposal(session, proposer: Proposer, base: str, history: list[Record])
         idea = session.queue.next(history)
         result = apply_idea(idea, workdir, session.profile) if idea else proposer.propose(workdir, history)
     except ProposalFailed as e:
-        result = Proposal(e.description, e.info)
+        result = Proposal(e.description, e.info, e.log)
         prepared.reason = e.reason
     except Exception as e:  # a failing proposer is data, not the end of the night
         prepared.reason = f"proposer error: {type(e).__name__}: {e}"

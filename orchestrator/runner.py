@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,7 +62,7 @@ def kill_tree(pid: int, pgid: int, grace_s: float = KILL_GRACE_S) -> None:
 
 def run_command(cmd: list[str], cwd: Path, env: dict[str, str], log_path: Path, timeout_s: float,
                 on_start: Callable[[int], None] | None = None, on_tick: Callable[[float], None] | None = None,
-                tick_s: float = 1.0) -> RunResult:
+                tick_s: float = 1.0, cancel: threading.Event | None = None) -> RunResult:
     """Run cmd with stdout+stderr to log_path in a new session; never raises for the command's failures.
 
     On timeout or KeyboardInterrupt the whole tree is killed (SIGTERM, grace, SIGKILL); after a normal
@@ -83,6 +84,11 @@ def run_command(cmd: list[str], cwd: Path, env: dict[str, str], log_path: Path, 
                 proc.wait(timeout=max(0.01, min(tick_s, timeout_s - elapsed)))
                 break
             except subprocess.TimeoutExpired:
+                if cancel is not None and cancel.is_set():
+                    interrupted = True
+                    kill_tree(proc.pid, pgid)
+                    proc.wait()
+                    break
                 if time.monotonic() - start >= timeout_s:
                     timed_out = True
                     kill_tree(proc.pid, pgid)
@@ -99,4 +105,4 @@ def run_command(cmd: list[str], cwd: Path, env: dict[str, str], log_path: Path, 
         if not interrupted and not timed_out:
             kill_tree(proc.pid, pgid, grace_s=0.5)  # leftovers of a finished run
     return RunResult(exit_code=proc.returncode, timed_out=timed_out, wall_s=time.monotonic() - start,
-                     log_path=log_path)
+                     log_path=log_path, interrupted=interrupted)

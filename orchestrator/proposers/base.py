@@ -32,9 +32,9 @@ class Proposal:
 class ProposalFailed(Exception):
     """The idea could not be applied (e.g. a queued patch no longer applies): recorded as a crash row."""
 
-    def __init__(self, description: str, reason: str, info: dict | None = None):
+    def __init__(self, description: str, reason: str, info: dict | None = None, log: str = ""):
         super().__init__(reason)
-        self.description, self.reason, self.info = description, reason, info or {}
+        self.description, self.reason, self.info, self.log = description, reason, info or {}, log
 
 
 class Proposer:
