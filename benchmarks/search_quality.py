@@ -42,6 +42,8 @@ def main() -> None:
     ap.add_argument("--experiments", type=int, default=16, help="experiments per session (baseline included)")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--profile", default="tiny", choices=["gpu", "cpu", "tiny"])
+    ap.add_argument("--timeout", type=float, default=None,
+                    help="hard limit per run (default 3 x budget + 30 s): huge sampled models time out alike")
     ap.add_argument("--methods", default="search,random,tpe")
     ap.add_argument("--out", type=Path, default=None, help="also write the raw results as JSON here")
     args = ap.parse_args()
@@ -55,7 +57,8 @@ def main() -> None:
             for method in methods:
                 repo = fresh_repo(Path(tmp) / f"{method}-{seed}")
                 settings = Settings(repo=repo, tag="bench", budget=args.budget, max_experiments=args.experiments,
-                                    proposer=method, profile=args.profile, seed=seed)
+                                    proposer=method, profile=args.profile, seed=seed,
+                                    timeout=args.timeout or 3 * args.budget + 30)
                 run_loop(settings, echo=lambda line: None)
                 rows = read_rows(repo / "results.tsv")
                 kept = [r.val_bpb for r in rows if r.status == "keep"]
