@@ -542,8 +542,63 @@ def evaluate_bpb(model, tokenizer, batch_size):
     Validation bits per byte, the fixed metric: summed per-token cross-entropy (nats) over the summed UTF-8
     byte length of the target tokens (special tokens excluded), on EVAL_TOKENS tokens of the pinned validation
     split at MAX_SEQ_LEN. Independent of the vocabulary, so comparable across tokenizers.
+
+    Under the autoloop controller (AUTOLOOP_EVAL_ARTIFACT set) the model is first saved there, and the number
+    that counts is computed again from that file by `python prepare.py --evaluate`, in a process of its own.
     """
+    if os.environ.get("AUTOLOOP_EVAL_ARTIFACT"):
+        save_eval_artifact(model, batch_size, os.environ["AUTOLOOP_EVAL_ARTIFACT"])
     return _evaluate_split_bpb(model, tokenizer, batch_size, "val")
+
+
+def save_eval_artifact(model, batch_size, path):
+    """The trained model plus how it was being evaluated (batch size, autocast), written atomically."""
+    device = next(model.parameters()).device.type
+    autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    tmp = f"{path}.tmp"
+    torch.save({"model": model, "batch_size": batch_size, "autocast": str(autocast) if autocast else None}, tmp)
+    os.replace(tmp, path)
+
+
+# What importing train.py must leave untouched for the controller's evaluation to count.
+HARNESS_NAMES = ("MAX_SEQ_LEN", "VOCAB_SIZE", "EVAL_TOKENS", "TIME_BUDGET", "SEED", "PROFILE", "DATA_DIR",
+                 "TOKENIZER_DIR", "evaluate_bpb", "_evaluate_split_bpb", "make_dataloader", "_document_batches",
+                 "_split_files", "get_token_bytes", "Tokenizer", "load_manifest")
+
+
+def evaluate_artifact(path, split="val", train_file="train.py"):
+    """The controller's measurement: load a model saved by evaluate_bpb and score it with this file's code.
+
+    train.py is imported (not run) so its classes can be unpickled; if importing it changes anything the
+    evaluation depends on, the result is refused.
+    """
+    import pickle
+    import runpy
+    import types
+
+    sys.modules["prepare"] = sys.modules[__name__]  # train.py's `from prepare import ...` binds to this module
+    before = {name: globals()[name] for name in HARNESS_NAMES}
+    namespace = runpy.run_path(train_file, run_name="__autoloop_eval__")
+    changed = [name for name in HARNESS_NAMES if globals()[name] is not before[name]]
+    if changed:
+        return {"error": f"importing train.py changed the harness: {', '.join(changed)}"}
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module, name):
+            if module in ("__main__", "__autoloop_eval__"):
+                return namespace[name]
+            return super().find_class(module, name)
+
+    saved = torch.load(path, weights_only=False, pickle_module=types.SimpleNamespace(
+        Unpickler=Unpickler, load=pickle.load, __name__="pickle"))
+    model = saved["model"]
+    model.eval()
+    device = next(model.parameters()).device.type
+    dtype = getattr(torch, saved["autocast"].removeprefix("torch.")) if saved["autocast"] else None
+    with torch.autocast(device_type=device, dtype=dtype or torch.float32, enabled=dtype is not None):
+        value = _evaluate_split_bpb(model, Tokenizer.from_directory(), saved["batch_size"], split)
+    return {"val_bpb" if split == "val" else f"{split}_bpb": value, "split": split, "eval_tokens": EVAL_TOKENS,
+            "batch_size": saved["batch_size"], "autocast": saved["autocast"]}
 
 
 def evaluate_holdout_bpb(model, tokenizer, batch_size):
@@ -565,7 +620,13 @@ if __name__ == "__main__":
     parser.add_argument("--base-url", default=None, help="online datasets: mirror to download from")
     parser.add_argument("--force", action="store_true", help="prepare again even if the manifest verifies")
     parser.add_argument("--check", action="store_true", help="only verify the prepared files; exit 1 on mismatch")
+    parser.add_argument("--evaluate", metavar="ARTIFACT", help="score a model saved by evaluate_bpb (controller use)")
+    parser.add_argument("--split", default="val", choices=["val", "holdout"], help="with --evaluate: which split")
     args = parser.parse_args()
+    if args.evaluate:
+        result = evaluate_artifact(args.evaluate, args.split)
+        print("AUTOLOOP_EVAL " + json.dumps(result), flush=True)
+        sys.exit(3 if "error" in result else 0)
     if (args.dataset != DATASET or (args.profile and args.profile != PROFILE)) and not os.environ.get("_AUTOLOOP_REEXEC"):
         # Module constants derive from the environment: re-run with it set, so there is one source of truth.
         env = dict(os.environ, AUTOLOOP_DATASET=args.dataset, AUTOLOOP_PROFILE=args.profile or PROFILE,

@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-if sys.platform.startswith("linux") and "GLIBC_TUNABLES" not in os.environ:
+if __name__ == "__main__" and sys.platform.startswith("linux") and "GLIBC_TUNABLES" not in os.environ:
     # Keep freed tensor memory in the heap: otherwise every large activation is a fresh mmap that page-faults
     # (measured ~1.4x slower steps on a 2-core CPU). Re-exec so the allocator sees the setting at start-up.
     os.environ["GLIBC_TUNABLES"] = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4294967295"
@@ -113,6 +113,9 @@ def pick_dtype(device):
     return torch.float32
 
 
+FA3 = None  # the FlashAttention-3 interface once loaded (a module global: the model itself stays picklable)
+
+
 def load_flash_attention_3(device):
     """FlashAttention-3 where it can load (Hopper CUDA, kernel available); otherwise None."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
@@ -181,7 +184,7 @@ def apply_rotary(x, cos, sin):
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, config, layer, fa3):
+    def __init__(self, config, layer):
         super().__init__()
         self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
         self.head_dim = config.n_embd // config.n_head
@@ -192,7 +195,6 @@ class CausalSelfAttention(nn.Module):
         self.ve_gate_channels = 32
         self.ve_gate = (nn.Linear(self.ve_gate_channels, self.n_kv_head, bias=False)
                         if has_value_embedding(layer, config.n_layer) else None)
-        self.fa3 = fa3
 
     def forward(self, x, ve, cos_sin, window, mask):
         B, T, _ = x.shape
@@ -204,8 +206,8 @@ class CausalSelfAttention(nn.Module):
             v = v + gate.unsqueeze(-1) * ve.view(B, T, self.n_kv_head, self.head_dim)
         cos, sin = cos_sin
         q, k = norm(apply_rotary(q, cos, sin)), norm(apply_rotary(k, cos, sin))
-        if self.fa3 is not None:
-            y = self.fa3.flash_attn_func(q, k, v, causal=True, window_size=(window, 0))
+        if FA3 is not None:
+            y = FA3.flash_attn_func(q, k, v, causal=True, window_size=(window, 0))
             y = y[0] if isinstance(y, tuple) else y
         else:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -229,9 +231,9 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config, layer, fa3):
+    def __init__(self, config, layer):
         super().__init__()
-        self.attn = CausalSelfAttention(config, layer, fa3)
+        self.attn = CausalSelfAttention(config, layer)
         self.mlp = MLP(config)
 
     def forward(self, x, ve, cos_sin, window, mask):
@@ -240,12 +242,12 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, config, fa3=None):
+    def __init__(self, config):
         super().__init__()
         self.config = config
         self.windows = self.window_sizes(config)
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.blocks = nn.ModuleList([Block(config, i, fa3) for i in range(config.n_layer)])
+        self.blocks = nn.ModuleList([Block(config, i) for i in range(config.n_layer)])
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.resid_lambdas = nn.Parameter(torch.ones(config.n_layer))
         self.x0_lambdas = nn.Parameter(torch.zeros(config.n_layer))
@@ -257,7 +259,6 @@ class GPT(nn.Module):
         angles = torch.outer(torch.arange(config.sequence_len, dtype=torch.float32), inv_freq)
         self.register_buffer("cos", angles.cos()[None, :, None, :], persistent=False)
         self.register_buffer("sin", angles.sin()[None, :, None, :], persistent=False)
-        self.use_masks = fa3 is None
         self._masks = {}
 
     @staticmethod
@@ -287,7 +288,7 @@ class GPT(nn.Module):
 
     def mask(self, T, window, device):
         """None for plain causal attention; an exact sliding-window boolean mask otherwise (cached)."""
-        if not self.use_masks or window >= T:
+        if FA3 is not None or window >= T:
             return None
         key = (T, window, device)
         if key not in self._masks:
@@ -413,7 +414,8 @@ def main():
     device = pick_device()
     dtype = pick_dtype(device)
     autocast = torch.autocast(device_type=device.type, dtype=dtype, enabled=dtype != torch.float32)
-    fa3 = load_flash_attention_3(device)
+    global FA3
+    FA3 = fa3 = load_flash_attention_3(device)
     compile_model = device.type == "cuda" or os.environ.get("AUTOLOOP_COMPILE") == "1"
     startup_steps = 10 if compile_model else 1  # steps not counted against the budget (compilation, warm-up)
     if device.type == "cuda":
@@ -426,7 +428,7 @@ def main():
     config = GPTConfig(sequence_len=MAX_SEQ_LEN, vocab_size=tokenizer.get_vocab_size(), n_layer=DEPTH,
                        n_head=model_dim // HEAD_DIM, n_kv_head=model_dim // HEAD_DIM, n_embd=model_dim,
                        window_pattern=pattern)
-    model = GPT(config, fa3).to(device)
+    model = GPT(config).to(device)
     model.init_weights()
     num_params = sum(p.numel() for p in model.parameters())
     flops_per_token = model.estimate_flops_per_token()

@@ -106,6 +106,20 @@ def main() -> None:
               help="pystdlib | climbmix | tinystories | a directory of .txt/.jsonl/.parquet.  [default: pystdlib]")
 @click.option("--seed", type=int, default=42, show_default=True, envvar="AUTOLOOP_SEED", show_envvar=True,
               help="Seed passed to every run (AUTOLOOP_SEED); owned by the controller, not train.py.")
+@click.option("--gate", type=click.Choice(["noise", "strict"]), default="noise", show_default=True,
+              envvar="AUTOLOOP_GATE", show_envvar=True,
+              help="noise: keep only what beats the measured noise; strict: upstream's rule (any lower val_bpb).")
+@click.option("--gate-sigmas", type=click.FloatRange(min=0), default=2.0, show_default=True,
+              envvar="AUTOLOOP_GATE_SIGMAS", show_envvar=True,
+              help="Margin in standard errors of the difference (t-corrected while σ rests on few runs).")
+@click.option("--min-delta", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              envvar="AUTOLOOP_MIN_DELTA", show_envvar=True, help="Floor of the margin, in val_bpb.")
+@click.option("--baseline-repeats", type=click.IntRange(min=0), default=2, show_default=True,
+              envvar="AUTOLOOP_BASELINE_REPEATS", show_envvar=True,
+              help="Extra runs of the baseline to measure σ (0: none).")
+@click.option("--max-repeats", type=click.IntRange(min=1), default=3, show_default=True,
+              envvar="AUTOLOOP_MAX_REPEATS", show_envvar=True,
+              help="Runs of one candidate at most, when it is better but inside the margin.")
 @click.option("--pipeline/--no-pipeline", default=None, envvar="AUTOLOOP_PIPELINE", show_envvar=True,
               help="Prepare the next idea while an experiment trains.  [default: on for agent and llm]")
 @click.option("--program", envvar="AUTOLOOP_PROGRAM", show_envvar=True,
@@ -137,6 +151,7 @@ def main() -> None:
 def run(ctx: click.Context, **values) -> None:
     """Run the loop until a limit, the proposer runs dry, or Ctrl-C. Re-run the same command to resume."""
     from .loop import Settings, run_loop
+    from .noise import Gate
 
     repo = resolve_repo(values.pop("repo"))
     values = apply_pyproject(ctx, values, repo)
@@ -146,7 +161,9 @@ def run(ctx: click.Context, **values) -> None:
                         max_hours=values["max_hours"], proposer=values["proposer"], profile=values["profile"],
                         dataset=values["dataset"], seed=values["seed"], pipeline=values["pipeline"],
                         max_tokens=values["max_tokens"], max_cost=values["max_cost"],
-                        options={k: v for k, v in options.items() if v is not None})
+                        options={k: v for k, v in options.items() if v is not None},
+                        gate=Gate(values["gate"], values["gate_sigmas"], values["min_delta"], values["max_repeats"]),
+                        baseline_repeats=values["baseline_repeats"])
     try:
         run_loop(settings, echo=lambda line: click.echo(line))
     except LoopError as e:

@@ -72,10 +72,9 @@ def check_proposer(proposer: str, tmp_dir: Path, experiments: int = 8, distinct:
     if setup is not None:
         setup(repo)  # e.g. queue ideas for the queue proposer
     half = max(2, experiments // 2)
-    run_loop(Settings(repo=repo, tag="contract", budget=1, timeout=30, proposer=proposer, max_experiments=half),
-             echo=lambda line: None)
-    run_loop(Settings(repo=repo, tag="contract", budget=1, timeout=30, proposer=proposer,
-                      max_experiments=experiments), echo=lambda line: None)
+    for limit in (half, experiments):  # a restart half-way: a fresh proposer instance rebuilt from the history
+        run_loop(Settings(repo=repo, tag="contract", budget=1, timeout=30, proposer=proposer, max_experiments=limit,
+                          baseline_repeats=0), echo=lambda line: None)
     rows = read_rows(repo / "results.tsv")
     assert len(rows) > 1, f"{proposer} proposed nothing"
     for n, row in enumerate(rows, start=1):

@@ -18,6 +18,7 @@ print("AUTOLOOP_HARNESS " + json.dumps({
     "manifest": str(getattr(prepare, "MANIFEST_PATH", "") or ""),
     "profile": getattr(prepare, "PROFILE", None),
     "time_budget": getattr(prepare, "TIME_BUDGET", None),
+    "artifacts": hasattr(prepare, "save_eval_artifact"),
 }))
 """
 
@@ -27,6 +28,7 @@ class HarnessInfo:
     manifest: Path | None  # None for harnesses without one (e.g. upstream autoresearch)
     profile: str | None
     time_budget: float | None
+    artifacts: bool = False  # prepare.py saves the model for the controller's own evaluation
 
 
 def sha256_file(path: Path) -> str:
@@ -50,7 +52,7 @@ def run_env(budget: float, seed: int, profile: str | None, dataset: str | None, 
 def query(workdir: Path, env: dict[str, str]) -> HarnessInfo:
     """Ask prepare.py (in a subprocess, as train.py will see it) where its manifest lives."""
     if not (workdir / "prepare.py").exists():
-        return HarnessInfo(None, None, None)
+        return HarnessInfo(None, None, None, False)
     proc = subprocess.run([sys.executable, "-c", _QUERY], cwd=workdir, env=env, capture_output=True, text=True)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("AUTOLOOP_HARNESS ")), None)
     if proc.returncode != 0 or line is None:
@@ -59,7 +61,8 @@ def query(workdir: Path, env: dict[str, str]) -> HarnessInfo:
                         f"({sys.executable}): {' | '.join(tail)}. Install the project (pip install -e .) "
                         "or fix prepare.py")
     data = json.loads(line.split(" ", 1)[1])
-    return HarnessInfo(Path(data["manifest"]) if data["manifest"] else None, data["profile"], data["time_budget"])
+    return HarnessInfo(Path(data["manifest"]) if data["manifest"] else None, data["profile"], data["time_budget"],
+                       bool(data.get("artifacts")))
 
 
 def verify(manifest_path: Path) -> list[str]:

@@ -46,6 +46,8 @@ class Record:
     timed_out: bool = False
     best_before: float | None = None
     info: dict = field(default_factory=dict)  # what the proposer attached (e.g. the queue item id)
+    group: int = 0  # the first run of this candidate (repeats share it); 0 means n
+    gate: dict = field(default_factory=dict)  # decision, runs, mean, margin, sigma (noise-aware gate)
 
 
 def _fsync_dir(path: Path) -> None:

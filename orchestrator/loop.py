@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -15,7 +16,10 @@ from typing import Callable
 import psutil
 
 from . import LoopError, gitops, harness
+from .evaluation import artifact_age, audit_clock, compare_printed, harness_evaluate
+from .guard import new_violations
 from .ledger import Record, Row, append_row, ensure_header, read_record, read_rows, write_json_atomic, write_record
+from .noise import Gate, Sigma, judge, pooled_sigma, significant_lines
 from .pipeline import Prefetch, Prepared, make_proposal
 from .proposers import Context, Proposer, load
 from .queue import Queue
@@ -43,6 +47,8 @@ class Settings:
     max_tokens: int | None = None  # stop once the proposer's LLM usage reaches this many tokens
     max_cost: float | None = None  # ... or this many dollars (needs prices in the proposer options)
     options: dict = field(default_factory=dict)  # proposer options (agent command, LLM endpoint, ...)
+    gate: Gate = field(default_factory=Gate)  # the keep rule (noise-aware by default)
+    baseline_repeats: int = 2  # extra runs of the baseline, to measure σ
 
     @property
     def hard_timeout(self) -> float:
@@ -51,33 +57,48 @@ class Settings:
 
 @dataclass
 class State:
-    """What the loop knows, rebuilt from results.tsv + run records + git on every start."""
+    """What the loop knows, rebuilt from the run records (and results.tsv, git) on every start.
+
+    Runs of one candidate form a group (numbered by its first run): the baseline and its repeats are group 1.
+    """
 
     records: list[Record] = field(default_factory=list)
     start_commit: str = ""
     best_commit: str = ""
-    best_bpb: float | None = None
-    baseline_bpb: float | None = None
+    best_group: int = 0
+    best_run: int = 0  # the run whose saved model stands for the best (its last run)
+    groups: dict[int, list[float]] = field(default_factory=dict)  # group -> val_bpb of each finished run
+    pending: int | None = None  # a candidate to run again before it is decided
 
     @property
     def done(self) -> int:
         return len(self.records)
 
+    @property
+    def best_bpb(self) -> float | None:
+        runs = self.groups.get(self.best_group)
+        return statistics.fmean(runs) if runs else None
+
+    @property
+    def baseline_bpb(self) -> float | None:
+        runs = self.groups.get(1)
+        return runs[0] if runs else None
+
+    def sigma(self) -> Sigma:
+        return pooled_sigma(list(self.groups.values()))
+
     def add(self, record: Record) -> None:
         self.records.append(record)
-        if record.status == "keep":
-            self.best_commit, self.best_bpb = record.commit, record.val_bpb
-            if self.baseline_bpb is None:
-                self.baseline_bpb = record.val_bpb
-
-
-def decide(val_bpb: float | None, best_bpb: float | None) -> str:
-    """keep | discard | crash. The one place the keep rule lives (strictly lower than the best kept)."""
-    if val_bpb is None:
-        return "crash"
-    if best_bpb is None or val_bpb < best_bpb:
-        return "keep"
-    return "discard"
+        group = record.group or record.n
+        decision = record.gate.get("decision", record.status)
+        if record.status != "crash" and record.val_bpb is not None:
+            self.groups.setdefault(group, []).append(record.val_bpb)
+        if decision == "keep":
+            self.best_commit, self.best_group, self.best_run, self.pending = record.commit, group, record.n, None
+        elif decision == "rerun":
+            self.pending = group
+        elif self.pending == group:
+            self.pending = None
 
 
 # ---------------------------------------------------------------------------
@@ -94,6 +115,7 @@ class Session:
         self.wt = None
         self.info: harness.HarnessInfo | None = None
         self.prepare_sha = ""
+        self.baseline_source = ""
         self.queue = Queue(self.paths.queue)
         self.pipeline = bool(settings.pipeline)
         self.prefetch: Prefetch | None = None
@@ -167,6 +189,7 @@ class Session:
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 shutil.move(run_dir, dest)
         gitops.reset_to(self.wt, state.best_commit)
+        self.baseline_source = self.repo.git.show(f"{state.start_commit}:train.py")
         return state
 
     def integrity_problems(self) -> list[str]:
@@ -199,30 +222,55 @@ def kill_orphan(status: dict) -> None:
 
 
 def check_edit(session: Session) -> str:
-    """Why the proposed edit may not run ('' if it may): only train.py changed, and it compiles."""
+    """Why the proposed edit may not run ('' if it may): only train.py changed, it compiles, and it leaves
+    alone what the controller and prepare.py own (seed, budget, evaluation, validation data)."""
     changed = gitops.changed_files(session.wt)
     others = [f for f in changed if f != "train.py"]
     if others:
         return f"edited files other than train.py: {', '.join(others[:5])}"
     try:
-        compile((session.paths.worktree / "train.py").read_text(), "train.py", "exec")
+        source = (session.paths.worktree / "train.py").read_text()
+        compile(source, "train.py", "exec")
     except SyntaxError as e:
         return f"train.py does not compile: {e.msg} (line {e.lineno})"
     except (OSError, ValueError) as e:
         return f"train.py unreadable: {e}"
-    return ""
+    tampering = new_violations(source, session.baseline_source)
+    return f"tampering: {'; '.join(tampering)}" if tampering else ""
+
+
+def repeat_of(session: Session, state: State) -> Prepared | None:
+    """A run of an earlier configuration, when one is due: baseline repeats (for σ), then re-runs."""
+    best = state.best_commit
+    baseline_runs = [r for r in state.records if (r.group or r.n) == 1]
+    wanted = 1 + session.settings.baseline_repeats
+    if state.best_group == 1 and len(baseline_runs) < wanted and len(baseline_runs) == state.done:
+        k = len(baseline_runs) + 1
+        return Prepared(base=best, description=f"baseline (repeat {k}/{wanted})", group=1, info={"repeat": k})
+    if state.pending is None:
+        return None
+    first = next(r for r in state.records if r.n == state.pending)
+    k = sum(1 for r in state.records if (r.group or r.n) == state.pending) + 1
+    patch = (session.paths.run_dir(first.n) / "diff.patch").read_text()
+    info = {key: v for key, v in first.info.items() if key not in ("queue_id", "usage")}
+    return Prepared(base=best, description=f"{first.description} (repeat {k}/{session.settings.gate.max_repeats})",
+                    patch=patch, group=state.pending, info={**info, "repeat": k})
 
 
 def next_idea(session: Session, proposer: Proposer, state: State, n: int) -> tuple[Prepared, float]:
     """The idea for experiment n on the current best, and how long the loop waited for it.
 
-    The baseline first; then a prefetched idea if one was prepared while the last experiment trained
-    (re-applied on the new best if that one was kept, asked again if it no longer applies); else a fresh one.
+    The baseline first (and its repeats), re-runs of a candidate inside the noise margin; then a prefetched
+    idea if one was prepared while the last experiment trained (re-applied on the new best if that one was
+    kept, asked again if it no longer applies); else a fresh one.
     """
     best = state.best_commit
-    if not any(r.status == "keep" for r in state.records):
+    if not state.best_group:
         session.prefetch = None
-        return Prepared(base=best, description="baseline" if n == 1 else "baseline (retry)"), 0.0
+        return Prepared(base=best, description="baseline" if n == 1 else "baseline (retry)", group=n), 0.0
+    repeat = repeat_of(session, state)
+    if repeat is not None:
+        return repeat, 0.0
     t = time.monotonic()
     prepared = session.prefetch.result() if session.prefetch is not None else None
     session.prefetch = None
@@ -240,10 +288,11 @@ def next_idea(session: Session, proposer: Proposer, state: State, n: int) -> tup
 def start_prefetch(session: Session, proposer: Proposer, state: State, running: Record) -> None:
     """Ask for the next idea now, on the current best, while `running` trains."""
     s = session.settings
-    if not session.pipeline or (s.max_experiments is not None and running.n >= s.max_experiments):
+    if not session.pipeline or session.prefetch is not None or \
+            (s.max_experiments is not None and running.n >= s.max_experiments):
         return
     inflight = Record(n=running.n, status="running", description=running.description, commit=running.commit,
-                      parent=running.parent, info=running.info)
+                      parent=running.parent, info=running.info, group=running.group)
     history, best = [*state.records, inflight], state.best_commit
     session.prefetch = Prefetch(lambda: make_proposal(session, proposer, best, history))
 
@@ -264,6 +313,7 @@ def run_experiment(session: Session, proposer: Proposer, state: State, n: int) -
         shutil.rmtree(run_dir, ignore_errors=True)
         return None
     record.description, record.info, reason = prepared.description, prepared.info, prepared.reason
+    record.group = prepared.group or n
     if prepared.log:
         (run_dir / "proposer.log").write_text(prepared.log)
 
@@ -291,8 +341,11 @@ def run_experiment(session: Session, proposer: Proposer, state: State, n: int) -
 
 
 def train(session: Session, record: Record, run_dir: Path) -> str:
-    """Run train.py under the hard timeout; fill the record's metrics. Returns a crash reason or ''."""
+    """Run train.py under the hard timeout, then have the harness measure the model it saved and audit the
+    run's clock. Fills the record's metrics; returns a crash reason or ''."""
     s = session.settings
+    artifact = run_dir / "model.pt"
+    env = dict(session.env, AUTOLOOP_EVAL_ARTIFACT=str(artifact)) if session.info.artifacts else session.env
 
     def on_start(pid: int) -> None:
         try:
@@ -302,48 +355,109 @@ def train(session: Session, record: Record, run_dir: Path) -> str:
         write_status(session.paths, train_pid=pid, train_started=created)
 
     write_status(session.paths, phase="training", description=record.description, training_started=time.time())
-    t = time.monotonic()
-    result = run_command([sys.executable, "train.py"], session.paths.worktree, session.env, run_dir / "run.log",
+    t, started_wall = time.monotonic(), time.time()
+    result = run_command([sys.executable, "train.py"], session.paths.worktree, env, run_dir / "run.log",
                          s.hard_timeout, on_start=on_start)
     record.timings["train"] = time.monotonic() - t
     record.exit_code, record.timed_out = result.exit_code, result.timed_out
     log_text = result.log_path.read_text(errors="replace")
     record.metrics = parse_summary(log_text)
-    record.val_bpb = val_bpb_of(record.metrics)
+    printed = val_bpb_of(record.metrics)
     touched = gitops.modified_tracked(session.wt)
     if result.timed_out:
         return f"timeout after {s.hard_timeout:.0f}s"
     if result.exit_code != 0:
         return f"exit code {result.exit_code}: {last_error_line(log_text)}".rstrip(": ")
-    if "val_bpb" not in record.metrics:
-        return f"no val_bpb in the summary: {last_error_line(log_text)}".rstrip(": ")
-    if record.val_bpb is None:
-        return f"val_bpb is not finite ({record.metrics['val_bpb']})"
     if touched:
         return f"the run modified {', '.join(touched)}"
-    return ""
+    if "val_bpb" not in record.metrics:
+        return f"no val_bpb in the summary: {last_error_line(log_text)}".rstrip(": ")
+    if not session.info.artifacts:  # a harness without artifacts (e.g. upstream's): its printed number
+        record.val_bpb = printed
+        return "" if printed is not None else f"val_bpb is not finite ({record.metrics['val_bpb']})"
+    if not artifact.exists():
+        return "train.py did not call prepare.evaluate_bpb: no model was saved for the harness to measure"
+    if why := audit_clock(record.metrics, s.budget, artifact_age(artifact, started_wall)):
+        return why
+    write_status(session.paths, phase="evaluating")
+    t = time.monotonic()
+    measured, why = harness_evaluate(session.paths.worktree, session.env, artifact, timeout=s.hard_timeout)
+    record.timings["eval"] = time.monotonic() - t
+    if measured is None:
+        return why
+    record.metrics["harness_val_bpb"] = measured
+    record.val_bpb = measured
+    return compare_printed(printed, measured)
+
+
+def decide(session: Session, state: State, record: Record) -> str:
+    """Fill record.gate and return the row's status: the first baseline is kept, its repeats only measure σ,
+    a candidate is judged on the mean of its runs against the best (see orchestrator/noise.py)."""
+    group = record.group or record.n
+    runs = [*state.groups.get(group, []), record.val_bpb]
+    if not state.best_group:
+        record.gate = {"decision": "keep", "runs": 1, "mean": record.val_bpb, "why": "baseline"}
+        return "keep"
+    if group == state.best_group:  # a repeat of the best (the baseline): it only sharpens σ
+        record.gate = {"decision": "repeat", "runs": len(runs), "mean": statistics.fmean(runs)}
+        return "discard"
+    best_source = session.repo.git.show(f"{state.best_commit}:train.py")
+    shorter = significant_lines((session.paths.worktree / "train.py").read_text()) < significant_lines(best_source)
+    groups = {**state.groups, group: runs}
+    sigma = pooled_sigma(list(groups.values()))
+    verdict = judge(runs, groups[state.best_group], sigma, session.settings.gate, shorter)
+    record.gate = {"decision": verdict.decision, "runs": len(runs), "mean": statistics.fmean(runs),
+                   "best_mean": statistics.fmean(groups[state.best_group]), "margin": verdict.margin,
+                   "delta": verdict.delta, "sigma": sigma.value, "sigma_dof": sigma.dof, "why": verdict.why}
+    return "keep" if verdict.decision == "keep" else "discard"
+
+
+def row_text(record: Record) -> tuple[float, str]:
+    """The row's val_bpb and description: a decided candidate shows its mean, its runs and the margin used."""
+    if record.status == "crash":
+        return 0.0, f"{record.description} [crash: {record.reason}]"
+    g = record.gate
+    if g.get("decision") == "rerun":
+        return record.val_bpb, f"{record.description} [inside the margin {g['margin']:.4f}: running again]"
+    if g.get("sigma") is not None and (g["decision"] == "keep" or g["runs"] > 1):
+        note = "simplification, " if g["why"].startswith("simplification") else ""
+        runs = f"mean of {g['runs']} runs" if g["runs"] > 1 else "1 run"
+        return g["mean"], f"{record.description} ({note}{runs}, margin {g['margin']:.4f})"
+    return record.val_bpb, record.description
 
 
 def finish(session: Session, state: State, record: Record, reason: str) -> None:
     """Decide, record (record.json, then the fsync'd row), and move the branch; in that order, for resume."""
     t = time.monotonic()
-    record.status = "crash" if reason else decide(record.val_bpb, state.best_bpb)
     record.reason = reason
     if reason:
-        record.val_bpb = None
+        record.status, record.val_bpb = "crash", None
+    else:
+        record.status = decide(session, state, record)
     record.ended = time.time()
     record.timings["record"] = time.monotonic() - t
     write_record(session.paths.run_dir(record.n), record)
     mem_mb = record.metrics.get("peak_vram_mb", 0.0) if record.status != "crash" else 0.0
     mfu = record.metrics.get("mfu_percent", 0.0) if record.status != "crash" else 0.0
-    description = f"{record.description} [crash: {reason}]" if reason else record.description
-    append_row(session.paths.ledger, Row(record.commit, record.val_bpb or 0.0, float(mem_mb) / 1024,
-                                         float(mfu), record.status, description))
+    bpb, description = row_text(record)
+    append_row(session.paths.ledger, Row(record.commit, bpb, float(mem_mb) / 1024, float(mfu), record.status,
+                                         description))
+    previous_best = state.best_run
     state.add(record)
+    keep_artifact(session, state, record, previous_best)
     if "queue_id" in record.info:
         session.queue.mark_done(record.info["queue_id"], session.settings.tag, record.n)
     gitops.reset_to(session.wt, state.best_commit)
-    write_status(session.paths, phase="idle", train_pid=None, last=record.n)
+    sigma = state.sigma()
+    write_status(session.paths, phase="idle", train_pid=None, last=record.n, sigma=sigma.value, sigma_dof=sigma.dof)
+
+
+def keep_artifact(session: Session, state: State, record: Record, previous_best: int) -> None:
+    """Keep the saved models of the baseline and of the current best (for the held-out check); drop the rest."""
+    keep = {1, state.best_run}
+    for n in {record.n, previous_best}:
+        if n and n not in keep:
+            (session.paths.run_dir(n) / "model.pt").unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------------------

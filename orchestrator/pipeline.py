@@ -29,6 +29,7 @@ class Prepared:
     log: str = ""  # the proposer's own output (e.g. a coding agent's), saved with the run
     seconds: float = 0.0
     exhausted: bool = False  # the proposer has no more ideas
+    group: int | None = None  # set for a repeat run of an earlier candidate (or of the baseline)
 
 
 def make_proposal(session, proposer: Proposer, base: str, history: list[Record]) -> Prepared:

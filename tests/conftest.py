@@ -52,6 +52,7 @@ def tiny_env(tmp_path_factory):
 
 def subprocess_env(**extra: str) -> dict[str, str]:
     """Environment for running `autoloop` in a subprocess that can import the test fakes."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+               AUTOLOOP_BASELINE_REPEATS="0")  # fakes are deterministic: no noise to measure
     env.update(extra)
     return env

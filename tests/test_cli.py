@@ -85,7 +85,7 @@ def test_end_to_end_with_the_real_train_py(tiny_env, tmp_path):
     """`autoloop run` in a repo holding the project's prepare.py and train.py (tiny profile, CPU)."""
     repo = tmp_path / "proj"
     make_repo(repo, {name: (ROOT / name).read_text() for name in ("prepare.py", "train.py", ".gitignore")})
-    env = dict(tiny_env, **{k: v for k, v in subprocess_env().items() if k == "PYTHONPATH"})
+    env = dict(tiny_env, **{k: v for k, v in subprocess_env().items() if k in ("PYTHONPATH", "AUTOLOOP_BASELINE_REPEATS")})
     user = git.Repo(repo)
     before = user.git.status("--porcelain")
     proc = autoloop("run", "--repo", str(repo), "--budget", "2", "--max-experiments", "3", "--tag", "e2e",

@@ -22,7 +22,7 @@ pytest.importorskip("openai")
 
 
 def settings(repo, proposer, **kw):
-    base = dict(repo=repo, tag="l", budget=1.0, timeout=20.0, proposer=proposer)
+    base = dict(repo=repo, tag="l", budget=1.0, timeout=20.0, proposer=proposer, baseline_repeats=0)
     base.update(kw)
     return Settings(**base)
 

@@ -12,12 +12,12 @@ import pytest
 import fakes
 from orchestrator import LoopError
 from orchestrator.ledger import read_record, read_rows
-from orchestrator.loop import Settings, decide, run_loop
+from orchestrator.loop import Settings, run_loop
 from orchestrator.session import Paths
 
 
 def settings(repo, **kw) -> Settings:
-    base = dict(repo=repo, tag="t1", budget=1.0, timeout=20.0, proposer="fakes:Scripted")
+    base = dict(repo=repo, tag="t1", budget=1.0, timeout=20.0, proposer="fakes:Scripted", baseline_repeats=0)
     base.update(kw)
     return Settings(**base)
 
@@ -34,14 +34,6 @@ def plan(tmp_path, monkeypatch):
 
 def quiet(_line: str) -> None:
     pass
-
-
-def test_decide_rule():
-    assert decide(None, 1.0) == "crash"
-    assert decide(0.9, None) == "keep"
-    assert decide(0.9, 1.0) == "keep"
-    assert decide(1.0, 1.0) == "discard"
-    assert decide(1.1, 1.0) == "discard"
 
 
 def test_outcomes_are_recorded_and_branch_holds_only_keeps(fake_repo, plan, tmp_path):

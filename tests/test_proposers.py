@@ -100,7 +100,7 @@ def test_parser_on_odd_layouts():
 
 def run_search(repo, n, seed=0, tag="s"):
     return run_loop(Settings(repo=repo, tag=tag, budget=1, timeout=30, proposer="search", max_experiments=n,
-                             seed=seed), echo=lambda line: None)
+                             seed=seed, baseline_repeats=0), echo=lambda line: None)
 
 
 def test_search_improves_never_repeats_and_avoids_the_crash_region(tmp_path):

@@ -1,0 +1,68 @@
+"""After a run: the harness's own measurement of the saved model, and an audit of the run's clock.
+
+The number that goes into results.tsv is computed by prepare.py's evaluate_bpb in a separate process from the
+model train.py saved through evaluate_bpb (AUTOLOOP_EVAL_ARTIFACT), not parsed from what train.py printed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+EVAL_TOLERANCE = 0.005  # relative: train.py's own number and the harness's may differ only by kernel noise
+
+
+def harness_evaluate(workdir: Path, env: dict[str, str], artifact: Path, split: str = "val",
+                     timeout: float = 600.0) -> tuple[float | None, str]:
+    """(bits per byte, '') from `python prepare.py --evaluate`, or (None, why it failed)."""
+    env = {k: v for k, v in env.items() if k != "AUTOLOOP_EVAL_ARTIFACT"}
+    try:
+        proc = subprocess.run([sys.executable, "prepare.py", "--evaluate", str(artifact), "--split", split],
+                              cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None, f"the harness evaluation timed out after {timeout:.0f}s"
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("AUTOLOOP_EVAL ")), None)
+    if line is None:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+        return None, f"the harness evaluation failed: {tail[0][:200]}"
+    result = json.loads(line.split(" ", 1)[1])
+    if "error" in result:
+        return None, result["error"]
+    value = result.get(f"{split}_bpb" if split != "val" else "val_bpb")
+    if not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None, f"the harness measured a non-finite val_bpb ({value})"
+    return float(value), ""
+
+
+def audit_clock(metrics: dict, budget: float, seconds_to_artifact: float | None) -> str:
+    """'' if the run kept to its budget by its own report and by the controller's clock, else why not."""
+    reported = metrics.get("training_seconds")
+    if isinstance(reported, (int, float)) and reported > budget * 1.25 + 5.0:  # one slow last step is fine
+        return f"budget exceeded: training_seconds {reported:g} > budget {budget:g}"
+    allowance = budget + max(60.0, 0.5 * budget)  # start-up and compilation are not on the training clock
+    if seconds_to_artifact is not None and seconds_to_artifact > allowance:
+        return (f"budget exceeded: the model was ready {seconds_to_artifact:.0f}s after start, "
+                f"more than budget {budget:g}s + start-up allowance {allowance - budget:.0f}s")
+    steps = metrics.get("num_steps")
+    if steps is not None and (not isinstance(steps, int) or steps < 1):
+        return f"implausible num_steps {steps!r}"
+    return ""
+
+
+def compare_printed(printed: float | None, measured: float) -> str:
+    if printed is None:
+        return ""
+    if abs(printed - measured) > EVAL_TOLERANCE * max(1.0, measured):
+        return f"train.py printed val_bpb {printed:.6f}, the harness measured {measured:.6f}"
+    return ""
+
+
+def artifact_age(artifact: Path, started_wall: float) -> float | None:
+    try:
+        return os.stat(artifact).st_mtime - started_wall
+    except OSError:
+        return None
