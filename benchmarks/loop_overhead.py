@@ -67,7 +67,7 @@ def main() -> None:
                     ["git", "-c", "user.name=b", "-c", "user.email=b@b", "commit", "-qm", "init"]):
             subprocess.run(cmd, cwd=repo, check=True)
         settings = Settings(repo=repo, tag="bench", budget=args.budget, max_experiments=args.experiments,
-                            proposer="__main__:SlowProposer", pipeline=args.pipeline)
+                            proposer="__main__:SlowProposer", pipeline=args.pipeline, baseline_repeats=0)
         t0 = time.monotonic()
         run_loop(settings, echo=lambda line: None)
         wall = time.monotonic() - t0

@@ -49,6 +49,7 @@ class Settings:
     options: dict = field(default_factory=dict)  # proposer options (agent command, LLM endpoint, ...)
     gate: Gate = field(default_factory=Gate)  # the keep rule (noise-aware by default)
     baseline_repeats: int = 2  # extra runs of the baseline, to measure σ
+    startup_allowance: float = 60.0  # seconds of start-up allowed on top of the budget before "budget exceeded"
 
     @property
     def hard_timeout(self) -> float:
@@ -377,7 +378,7 @@ def train(session: Session, record: Record, run_dir: Path) -> str:
         return "" if printed is not None else f"val_bpb is not finite ({record.metrics['val_bpb']})"
     if not artifact.exists():
         return "train.py did not call prepare.evaluate_bpb: no model was saved for the harness to measure"
-    if why := audit_clock(record.metrics, s.budget, artifact_age(artifact, started_wall)):
+    if why := audit_clock(record.metrics, s.budget, artifact_age(artifact, started_wall), s.startup_allowance):
         return why
     write_status(session.paths, phase="evaluating")
     t = time.monotonic()

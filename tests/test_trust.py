@@ -1,0 +1,88 @@
+"""An evaluation the edited file cannot game: each tampering edit of the real train.py is caught and recorded
+as a crash with its reason, and honest edits pass (tiny profile, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+import fakes
+from conftest import ROOT, make_repo
+from orchestrator.guard import new_violations, violations
+from orchestrator.ledger import read_record, read_rows
+from orchestrator.loop import Settings, run_loop
+from orchestrator.session import Paths
+
+TRAIN = (ROOT / "train.py").read_text()
+IMPORTS = "from prepare import MAX_SEQ_LEN, PROFILE, SEED, TIME_BUDGET, Tokenizer, evaluate_bpb, make_dataloader\n"
+
+
+def edited(old: str, new: str) -> str:
+    assert old in TRAIN, old
+    return TRAIN.replace(old, new, 1)
+
+
+def after_imports(code: str) -> str:
+    return edited(IMPORTS, IMPORTS + code + "\n")
+
+
+STATIC = [  # caught before any training time is spent
+    ("own seed", edited("torch.manual_seed(SEED)", "torch.manual_seed(1234)"), "seeds on its own"),
+    ("longer budget", after_imports("TIME_BUDGET = 600"), "redefines TIME_BUDGET"),
+    ("patched metric", after_imports("import prepare\nprepare.evaluate_bpb = lambda m, t, b: 0.1"),
+     "patches prepare.evaluate_bpb"),
+    ("own metric", after_imports("def evaluate_bpb(model, tokenizer, batch_size):\n    return 0.1"),
+     "redefines evaluate_bpb"),
+    ("smaller eval", after_imports("import prepare\nprepare.EVAL_TOKENS = 64"), "patches prepare.EVAL_TOKENS"),
+    ("trains on val", edited('MAX_SEQ_LEN, "train", device=device)', 'MAX_SEQ_LEN, "val", device=device)'),
+     "refers to the validation data ('val')"),
+    ("reads the seed env", edited("torch.manual_seed(SEED)", 'torch.manual_seed(int(os.environ["AUTOLOOP_SEED"]))'),
+     "AUTOLOOP_SEED"),
+]
+RUNTIME = [  # caught by the harness's own evaluation and the clock audit
+    ("prints a fake number", edited('print(f"val_bpb:          {val_bpb:.6f}")',
+                                    'print(f"val_bpb:          {val_bpb - 0.5:.6f}")'), "the harness measured"),
+    ("skips evaluate_bpb", edited("val_bpb = evaluate_bpb(model, tokenizer, FINAL_EVAL_BATCH_SIZE)", "val_bpb = 0.5"),
+     "did not call prepare.evaluate_bpb"),
+    ("sneaky smaller eval", after_imports('import sys as _s\nsetattr(_s.modules["prepare"], "EVAL_" + "TOKENS", 64)'),
+     "changed the harness: EVAL_TOKENS"),
+    ("slow clock", edited("training_time += dt", "training_time += dt * 0.05"), "budget exceeded"),
+]
+
+
+def test_static_checks_flag_only_what_the_edit_introduced():
+    assert violations(TRAIN) == set()
+    for name, source, expected in STATIC:
+        found = new_violations(source, TRAIN)
+        assert any(expected in v for v in found), (name, found)
+    upstream_style = "import torch\ntorch.manual_seed(42)\n"
+    assert new_violations(upstream_style, upstream_style) == []  # a baseline's own habits are not an edit's
+    assert new_violations(edited("MATRIX_LR = 0.04", "MATRIX_LR = 0.05"), TRAIN) == []
+
+
+@pytest.mark.timeout(400)
+def test_tampering_edits_are_crashes_and_honest_edits_pass(tiny_env, tmp_path, monkeypatch):
+    for key in ("AUTOLOOP_CACHE", "AUTOLOOP_PROFILE", "AUTOLOOP_DEVICE"):
+        monkeypatch.setenv(key, tiny_env[key])
+    repo = tmp_path / "proj"
+    make_repo(repo, {name: (ROOT / name).read_text() for name in ("prepare.py", "train.py", ".gitignore")})
+    honest = edited("MATRIX_LR = 0.04", "MATRIX_LR = 0.05")
+    steps = [*STATIC[0:2], RUNTIME[0], *STATIC[2:4], RUNTIME[1], *STATIC[4:6], RUNTIME[2], STATIC[6], RUNTIME[3]]
+    # (interleaved: five ideas in a row that never reach training would stop the loop as a broken proposer)
+    plan = [{"description": name, "train": src} for name, src, _ in steps]
+    plan.append({"description": "honest", "train": honest})
+    monkeypatch.setenv("AUTOLOOP_TEST_PLAN", str(fakes.write_plan(tmp_path / "plan.json", plan)))
+    run_loop(Settings(repo=repo, tag="trust", budget=0.5, proposer="fakes:Scripted", baseline_repeats=0,
+                      startup_allowance=8.0), echo=lambda line: None)
+    rows = read_rows(repo / "results.tsv")
+    assert rows[0].status == "keep" and rows[0].description == "baseline"
+    for row, (name, _, expected) in zip(rows[1:], steps):
+        assert row.status == "crash" and expected in row.description, (name, row.description)
+    assert rows[-1].description.startswith("honest") and rows[-1].status in ("keep", "discard")
+    # the number in results.tsv is the harness's own measurement, and it agrees with what train.py printed
+    record = read_record(Paths(repo, "trust").run_dir(1))
+    assert record.val_bpb == record.metrics["harness_val_bpb"]
+    assert abs(record.metrics["harness_val_bpb"] - record.metrics["val_bpb"]) < 1e-3
+    # static catches spent no training time; the baseline's saved model is kept for the held-out check
+    assert "train" not in read_record(Paths(repo, "trust").run_dir(2)).timings
+    assert (Paths(repo, "trust").run_dir(1) / "model.pt").exists()
+    assert not (Paths(repo, "trust").run_dir(len(rows) - 1) / "model.pt").exists()
