@@ -82,8 +82,8 @@ class State:
 
     @property
     def baseline_bpb(self) -> float | None:
-        runs = self.groups.get(1)
-        return runs[0] if runs else None
+        runs = self.groups.get(1)  # the baseline and its repeats
+        return statistics.fmean(runs) if runs else None
 
     def sigma(self) -> Sigma:
         return pooled_sigma(list(self.groups.values()))

@@ -1,0 +1,126 @@
+"""How often does the keep gate accept an edit that does nothing? And does it still accept a real gain?
+
+A proposer that makes only no-op edits (a comment or whitespace) runs N experiments of the real train.py on
+this machine. With the default noise-aware gate (almost) none may be kept; for comparison the script replays
+upstream's strict rule ("lower is kept") over the same first-run measurements. Then a short second session
+starts from a hobbled train.py (Muon LR / 10) whose one proposal restores it: a real gain that must be kept.
+
+    python benchmarks/false_keeps.py --experiments 30 --budget 10 --profile cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from orchestrator.ledger import read_record, read_rows
+from orchestrator.loop import Settings, run_loop
+from orchestrator.proposers import Proposal, Proposer
+from orchestrator.session import Paths
+
+ROOT = Path(__file__).resolve().parent.parent
+HOBBLE = ("MATRIX_LR = 0.04", "MATRIX_LR = 0.004")
+
+
+class NoOpProposer(Proposer):
+    """Edits that change nothing a computer would notice: comments and whitespace."""
+
+    name = "noop"
+
+    def propose(self, workdir, history):
+        path = workdir / "train.py"
+        k = len(history)
+        source = path.read_text()
+        if k % 2:
+            source += f"\n# no-op edit {k}\n"
+        else:
+            source = source.replace("\n\n\ndef main():", f"\n\n\n{'':<{k % 7}}\ndef main():", 1)
+        path.write_text(source)
+        return Proposal(f"no-op edit {k} ({'comment' if k % 2 else 'whitespace'})")
+
+
+class FixProposer(Proposer):
+    """One real improvement: undo the hobbled learning rate."""
+
+    name = "fix"
+
+    def propose(self, workdir, history):
+        if any(r.description.startswith("restore") for r in history):
+            return None
+        path = workdir / "train.py"
+        path.write_text(path.read_text().replace(HOBBLE[1], HOBBLE[0]))
+        return "restore MATRIX_LR 0.004 -> 0.04"
+
+
+def fresh_repo(where: Path, hobble: bool = False) -> Path:
+    where.mkdir(parents=True)
+    for name in ("prepare.py", "train.py", ".gitignore"):
+        shutil.copy(ROOT / name, where / name)
+    if hobble:
+        train = where / "train.py"
+        train.write_text(train.read_text().replace(*HOBBLE))
+    for cmd in (["git", "init", "-q"], ["git", "add", "-A"],
+                ["git", "-c", "user.name=b", "-c", "user.email=b@b", "commit", "-qm", "baseline"]):
+        subprocess.run(cmd, cwd=where, check=True)
+    return where
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--experiments", type=int, default=30, help="no-op experiments after the baseline runs")
+    ap.add_argument("--budget", type=float, default=10.0)
+    ap.add_argument("--profile", default="cpu", choices=["gpu", "cpu", "tiny"])
+    args = ap.parse_args()
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp:
+        repo = fresh_repo(Path(tmp) / "noop")
+        total = 3 + args.experiments
+        settings = Settings(repo=repo, tag="noop", budget=args.budget, profile=args.profile,
+                            proposer="__main__:NoOpProposer", max_experiments=None)
+
+        def enough(line: str) -> None:
+            print(line, flush=True)
+
+        # stop after N no-op candidates have been decided (repeats add runs, not candidates)
+        while True:
+            state = run_loop(Settings(**{**settings.__dict__, "max_experiments": total}), echo=enough)
+            records = [read_record(Paths(repo, "noop").run_dir(n)) for n in range(1, state.done + 1)]
+            candidates = {r.group for r in records if r.description.startswith("no-op")}
+            finished = {r.group for r in records if r.description.startswith("no-op")
+                        and (r.status == "crash" or r.gate.get("decision") in ("keep", "discard"))}
+            if len(finished) >= args.experiments or state.done >= 4 * total:
+                break
+            total = state.done + (args.experiments - len(finished))
+        rows = read_rows(repo / "results.tsv")
+        noise_keeps = sum(r.status == "keep" and r.description.startswith("no-op") for r in rows)
+        firsts = [r for r in records if r.description.startswith("no-op") and r.n == r.group and r.val_bpb]
+        strict_best, strict_keeps = records[0].val_bpb, 0
+        for r in firsts:
+            if r.val_bpb < strict_best:
+                strict_keeps, strict_best = strict_keeps + 1, r.val_bpb
+        sigma = state.sigma()
+
+        fix_repo = fresh_repo(Path(tmp) / "fix", hobble=True)
+        fix = run_loop(Settings(repo=fix_repo, tag="fix", budget=args.budget, profile=args.profile,
+                                proposer="__main__:FixProposer"), echo=enough)
+        fix_rows = read_rows(fix_repo / "results.tsv")
+    print()
+    print(f"no-op candidates decided: {len(finished)} ({len(candidates)} proposed, {state.done} runs incl. "
+          f"baseline repeats and re-runs), budget {args.budget:g}s, profile {args.profile}")
+    print(f"sigma of val_bpb:         {sigma.value:.5f} ({sigma.dof} degrees of freedom)")
+    print(f"kept, noise gate:         {noise_keeps} of {len(finished)} ({100 * noise_keeps / max(1, len(finished)):.1f}%)")
+    print(f"kept, strict (replayed):  {strict_keeps} of {len(firsts)} first runs "
+          f"({100 * strict_keeps / max(1, len(firsts)):.1f}%)")
+    restore = [r for r in fix_rows if r.description.startswith("restore")]
+    print(f"real improvement:         {'KEPT' if any(r.status == 'keep' for r in restore) else 'NOT kept'}: "
+          + "; ".join(f"{r.status} {r.val_bpb:.4f} {r.description}" for r in restore)
+          + f" (baseline {fix_rows[0].val_bpb:.4f})")
+    print(f"wall time:                {time.monotonic() - t0:.0f}s")
+
+
+if __name__ == "__main__":
+    main()
