@@ -37,13 +37,20 @@ class SlowProposer(PerturbProposer):
 FAKE_TRAIN = '''"""fake train.py: sleeps for the budget, prints the summary"""
 import os, time
 
-# Hyperparameters
+# Hyperparameters (as many as a real train.py has, so two ideas rarely touch the same line)
 LR = 0.01  # learning rate  [0.0001, 1.0]
 WIDTH = 64  # [8, 4096]
+DEPTH = 4  # [1, 32]
+WARMUP = 0.1  # [0.01, 0.5]
+DECAY = 0.2  # [0.01, 1.0]
+MOMENTUM = 0.9  # [0.5, 0.99]
+CAP = 15.0  # [1.0, 50.0]
+BATCH = 16  # [1, 512]
 
 time.sleep(float(os.environ.get("AUTOLOOP_TIME_BUDGET", "1")))
+score = abs(LR - 0.02) + abs(WIDTH - 100) / 1e4 + abs(DEPTH - 6) / 100 + abs(WARMUP - 0.05) + abs(DECAY - 0.1)
 print("---")
-print(f"val_bpb:          {1.0 + abs(LR - 0.02) + abs(WIDTH - 100) / 1e4:.6f}")
+print(f"val_bpb:          {1.0 + score:.6f}")
 print("training_seconds: 1.0")
 print("peak_vram_mb:     10.0")
 print("mfu_percent:      0.00")

@@ -129,13 +129,19 @@ def checkout_clean(wt: git.Repo, commit: str) -> None:
     wt.git.clean("-fdq")
 
 
-def diff_all(wt: git.Repo, base: str) -> str:
+def diff_all(wt: git.Repo, base: str, context: int = 3) -> str:
     """Everything changed in the worktree relative to base, untracked files included, as a binary patch."""
     wt.git.add("-A")
     try:
-        return wt.git.diff("--cached", "--binary", base, stdout_as_string=True, strip_newline_in_stdout=False)
+        return wt.git.diff("--cached", "--binary", f"-U{context}", base, stdout_as_string=True,
+                           strip_newline_in_stdout=False)
     finally:
         wt.git.reset("-q")
+
+
+def diff(wt: git.Repo, a: str, b: str) -> str:
+    """A binary patch from commit a to commit b that `git apply` takes back (trailing newline kept)."""
+    return wt.git.diff("--binary", a, b, stdout_as_string=True, strip_newline_in_stdout=False)
 
 
 def apply_patch(wt: git.Repo, patch: str, three_way: bool = False) -> str:
@@ -152,4 +158,18 @@ def apply_patch(wt: git.Repo, patch: str, three_way: bool = False) -> str:
         return " ".join(proc.stderr.decode(errors="replace").split())[:200]
     if three_way:
         wt.git.reset("-q")  # --3way stages the result; the loop commits everything itself
+    return ""
+
+
+def carry_over(wt: git.Repo, patch: str, patch_u0: str = "") -> str:
+    """Apply a patch made on an older commit: a three-way merge, else its zero-context form (one-line edits of
+    neighbouring constants conflict in a merge but not in fact). '' on success, else git's complaint."""
+    error = apply_patch(wt, patch, three_way=True)
+    if not error or not patch_u0.strip():
+        return error
+    args = ["git", "apply", "--binary", "--whitespace=nowarn", "--unidiff-zero", "-"]
+    proc = subprocess.run(args, cwd=wt.working_tree_dir, input=patch_u0.encode(), capture_output=True)
+    if proc.returncode != 0:
+        reset_to(wt, "HEAD")
+        return " ".join(proc.stderr.decode(errors="replace").split())[:200]
     return ""

@@ -276,7 +276,7 @@ def next_idea(session: Session, proposer: Proposer, state: State, n: int) -> tup
     prepared = session.prefetch.result() if session.prefetch is not None else None
     session.prefetch = None
     if prepared is not None and prepared.base != best and not prepared.exhausted:
-        if prepared.reason or gitops.apply_patch(session.wt, prepared.patch, three_way=True):
+        if prepared.reason or gitops.carry_over(session.wt, prepared.patch, prepared.patch_u0):
             prepared = None  # made for an older best and does not carry over: ask again
         else:
             prepared.patch = gitops.diff_all(session.wt, best)
@@ -331,7 +331,7 @@ def run_experiment(session: Session, proposer: Proposer, state: State, n: int) -
     t = time.monotonic()
     record.commit = gitops.commit_all(session.wt, f"autoloop {s.tag} #{n}: {record.description}")
     gitops.mark_tried(session.repo, s.tag, n, record.commit)
-    (run_dir / "diff.patch").write_text(session.wt.git.diff(state.best_commit, record.commit))
+    (run_dir / "diff.patch").write_text(gitops.diff(session.wt, state.best_commit, record.commit))
     record.timings["git"] = time.monotonic() - t
 
     if not reason:
@@ -547,7 +547,34 @@ def run_loop(settings: Settings, echo: Callable[[str], None] = print) -> State:
             proposer.close()
         write_status(session.paths, phase="finished", train_pid=None)
         echo(session_summary(settings, state, stop))
+        holdout_check(session, state, echo)
         return state
+
+
+def holdout_check(session: Session, state: State, echo: Callable[[str], None]) -> dict | None:
+    """Score the baseline's and the best's saved models on the held-out split that no decision ever used, each
+    with its own train.py, so that over-fitting the validation split by selection shows."""
+    if not (session.info and session.info.artifacts) or state.best_run in (0, 1):
+        return None
+    result = {}
+    for name, n in (("baseline", 1), ("best", state.best_run)):
+        record = next(r for r in state.records if r.n == n)
+        artifact = session.paths.run_dir(n) / "model.pt"
+        if not artifact.exists():
+            return None
+        session.proposal_worktree(record.commit)
+        value, why = harness_evaluate(session.paths.proposal, session.env, artifact, split="holdout",
+                                      timeout=session.settings.hard_timeout)
+        if value is None:
+            echo(f"autoloop: held-out check skipped: {why}")
+            return None
+        result[name] = {"n": n, "commit": record.commit, "holdout_bpb": value,
+                        "val_bpb": state.groups[record.group or record.n][-1] if name == "best" else state.baseline_bpb}
+    write_json_atomic(session.paths.state / "holdout.json", result)
+    b, w = result["baseline"], result["best"]
+    echo(f"autoloop: held-out check: baseline {b['holdout_bpb']:.6f} -> best {w['holdout_bpb']:.6f} "
+         f"({w['holdout_bpb'] - b['holdout_bpb']:+.6f}; on validation {w['val_bpb'] - b['val_bpb']:+.6f})")
+    return result
 
 
 def console_header() -> str:

@@ -25,6 +25,7 @@ class Prepared:
     description: str = ""
     info: dict = field(default_factory=dict)
     patch: str = ""  # everything the proposer changed (binary diff against base)
+    patch_u0: str = ""  # the same without context lines, to carry a small edit over to a newer best
     reason: str = ""  # set when the idea could not be made: recorded as a crash without a run
     log: str = ""  # the proposer's own output (e.g. a coding agent's), saved with the run
     seconds: float = 0.0
@@ -54,6 +55,7 @@ def make_proposal(session, proposer: Proposer, base: str, history: list[Record])
         prepared.description = " ".join(result.description.split())[:300] or "(no description)"
         prepared.info, prepared.log = dict(result.info), result.log
         prepared.patch = gitops.diff_all(wt, base)
+        prepared.patch_u0 = gitops.diff_all(wt, base, context=0)
     prepared.seconds = time.monotonic() - t0
     return prepared
 

@@ -31,6 +31,8 @@ def collect(repo: Path, tag: str | None) -> dict:
         "baseline_bpb": kept[0].val_bpb if kept else None,
         "best_bpb": min((r.val_bpb for r in kept), default=None),
         "best_commit": min(kept, key=lambda r: r.val_bpb).commit if kept else None,
+        "sigma": status.get("sigma"),
+        "sigma_dof": status.get("sigma_dof"),
         "current": None,
         "recent": [r.__dict__ for r in rows[-5:]],
     }
@@ -48,6 +50,11 @@ def render(info: dict) -> str:
     if info["best_bpb"] is not None:
         lines.append(f"best val_bpb: {info['best_bpb']:.6f} at {info['best_commit']} "
                      f"(baseline {info['baseline_bpb']:.6f})")
+    if info["sigma"] is not None:
+        lines.append(f"noise: σ = {info['sigma']:.5f} val_bpb between runs of one configuration "
+                     f"({info['sigma_dof']} degrees of freedom)")
+    elif info["experiments"]:
+        lines.append("noise: σ not measured yet (no repeated runs)")
     if info["current"]:
         c = info["current"]
         lines.append(f"current: #{c['n']} {c['phase']} {c['elapsed_s']:.0f}s elapsed (budget {c['budget_s']:g}s): "

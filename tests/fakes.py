@@ -75,7 +75,8 @@ class Scripted(Proposer):
 
     def propose(self, workdir: Path, history: list) -> str | None:
         plan = json.loads(Path(os.environ["AUTOLOOP_TEST_PLAN"]).read_text())
-        index = len(history) - 1  # history holds the baseline first
+        # one step per idea: baseline runs and re-runs of an earlier idea do not count
+        index = sum(1 for r in history if (r.group or r.n) == r.n and not r.description.startswith("baseline"))
         if index >= len(plan):
             return None
         step = plan[index]

@@ -86,3 +86,23 @@ def test_tampering_edits_are_crashes_and_honest_edits_pass(tiny_env, tmp_path, m
     assert "train" not in read_record(Paths(repo, "trust").run_dir(2)).timings
     assert (Paths(repo, "trust").run_dir(1) / "model.pt").exists()
     assert not (Paths(repo, "trust").run_dir(len(rows) - 1) / "model.pt").exists()
+
+
+@pytest.mark.timeout(300)
+def test_held_out_check_at_the_end_of_a_session(tiny_env, tmp_path, monkeypatch):
+    for key in ("AUTOLOOP_CACHE", "AUTOLOOP_PROFILE", "AUTOLOOP_DEVICE"):
+        monkeypatch.setenv(key, tiny_env[key])
+    repo = tmp_path / "proj"
+    hobbled = TRAIN.replace("LOGIT_CAP = 15.0", "LOGIT_CAP = 0.01")  # ~uniform predictions, whatever it learns
+    make_repo(repo, {"prepare.py": (ROOT / "prepare.py").read_text(), "train.py": hobbled,
+                     ".gitignore": (ROOT / ".gitignore").read_text()})
+    plan = [{"description": "restore the logit cap", "train": TRAIN}]
+    monkeypatch.setenv("AUTOLOOP_TEST_PLAN", str(fakes.write_plan(tmp_path / "plan.json", plan)))
+    lines = []
+    state = run_loop(Settings(repo=repo, tag="h", budget=5.0, proposer="fakes:Scripted", baseline_repeats=0),
+                     echo=lines.append)
+    assert state.best_run == 2, read_rows(repo / "results.tsv")
+    holdout = __import__("json").loads((Paths(repo, "h").state / "holdout.json").read_text())
+    assert holdout["baseline"]["n"] == 1 and holdout["best"]["n"] == 2
+    assert holdout["best"]["holdout_bpb"] < holdout["baseline"]["holdout_bpb"]
+    assert any(line.startswith("autoloop: held-out check: baseline") for line in lines)
