@@ -188,6 +188,52 @@ def status(repo: Path, tag: str | None, as_json: bool) -> None:
     click.echo(json.dumps(info, indent=1) if as_json else render(info))
 
 
+def session_paths(repo: Path, tag: str | None):
+    from .session import Paths, latest_tag
+
+    repo = resolve_repo(repo)
+    tag = tag or latest_tag(repo)
+    if tag is None or not Paths(repo, tag).ledger.exists():
+        raise click.ClickException(f"no autoloop session{' ' + repr(tag) if tag else ''} in {repo}; "
+                                   "start one with `autoloop run`, or pass --tag / --repo")
+    return repo, Paths(repo, tag)
+
+
+@main.command()
+@repo_option
+@click.option("--tag", callback=check_tag, envvar="AUTOLOOP_TAG", help="Session to report.  [default: the latest]")
+@click.option("--json", "as_json", is_flag=True, help="Print the facts as JSON instead of writing files.")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where progress.png and report.md go.  [default: the repo root]")
+def report(repo: Path, tag: str | None, as_json: bool, out: Path | None) -> None:
+    """Summarise a session: progress.png, report.md (or --json)."""
+    from .report import facts, write_report
+
+    repo, paths = session_paths(repo, tag)
+    if as_json:
+        click.echo(json.dumps(facts(paths), indent=1, default=str))
+        return
+    f = write_report(paths, repo, out or repo)
+    where = out or repo
+    click.echo(f"wrote {where / 'progress.png'} and {where / 'report.md'}")
+    if f["best_bpb"] is not None:
+        click.echo(f"{f['experiments']} experiments, {f['keep']} kept: val_bpb {f['baseline_bpb']:.6f} -> "
+                   f"{f['best_bpb']:.6f} ({f['delta_percent']:+.2f}%) at {f['best_commit']}")
+
+
+@main.command()
+@repo_option
+@click.option("--tag", callback=check_tag, envvar="AUTOLOOP_TAG", help="Session to list.  [default: the latest]")
+@click.option("--status", "status_", type=click.Choice(["keep", "discard", "crash"]), help="Only rows with this status.")
+@click.option("--limit", type=click.IntRange(min=1), help="Only the last N rows.")
+def results(repo: Path, tag: str | None, status_: str | None, limit: int | None) -> None:
+    """List a session's rows as a readable table."""
+    from .report import table
+
+    _, paths = session_paths(repo, tag)
+    click.echo(table(paths, status_, limit))
+
+
 @main.command()
 def proposers() -> None:
     """List the installed proposers; one that fails to load is reported, not fatal."""

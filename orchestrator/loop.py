@@ -21,6 +21,7 @@ from .guard import new_violations
 from .ledger import Record, Row, append_row, ensure_header, read_record, read_rows, write_json_atomic, write_record
 from .noise import Gate, Sigma, judge, pooled_sigma, significant_lines
 from .pipeline import Prefetch, Prepared, make_proposal
+from .progress import Progress, format_eta, last_step
 from .proposers import Context, Proposer, load
 from .queue import Queue
 from .runner import kill_tree, run_command
@@ -118,6 +119,9 @@ class Session:
         self.prepare_sha = ""
         self.baseline_source = ""
         self.queue = Queue(self.paths.queue)
+        self.progress = Progress()
+        self.state: State | None = None  # set once resumed (the progress line reads it)
+        self.started = time.time()
         self.pipeline = bool(settings.pipeline)
         self.prefetch: Prefetch | None = None
         self._proposal_wt = None
@@ -357,8 +361,12 @@ def train(session: Session, record: Record, run_dir: Path) -> str:
 
     write_status(session.paths, phase="training", description=record.description, training_started=time.time())
     t, started_wall = time.monotonic(), time.time()
+
+    def on_tick(elapsed: float) -> None:
+        session.progress.update(progress_text(session, record, elapsed, run_dir / "run.log"))
+
     result = run_command([sys.executable, "train.py"], session.paths.worktree, env, run_dir / "run.log",
-                         s.hard_timeout, on_start=on_start)
+                         s.hard_timeout, on_start=on_start, on_tick=on_tick)
     record.timings["train"] = time.monotonic() - t
     record.exit_code, record.timed_out = result.exit_code, result.timed_out
     log_text = result.log_path.read_text(errors="replace")
@@ -389,6 +397,26 @@ def train(session: Session, record: Record, run_dir: Path) -> str:
     record.metrics["harness_val_bpb"] = measured
     record.val_bpb = measured
     return compare_printed(printed, measured)
+
+
+def progress_text(session: Session, record: Record, elapsed: float, log: Path) -> str:
+    """#n elapsed/budget | step, budget %, loss | best so far | ETA of the session when it is bounded."""
+    s, state = session.settings, session.state
+    parts = [f"#{record.n} training {elapsed:.0f}s/{s.budget:g}s"]
+    if (step := last_step(log)) is not None:
+        parts.append(f"step {step[0]} ({step[1]:.0f}%) loss {step[2]:.4f}")
+    if state.best_bpb is not None:
+        parts.append(f"best {state.best_bpb:.6f}")
+    finished = [r for r in state.records if r.ended]
+    per_exp = statistics.fmean(r.ended - r.started for r in finished[-10:]) if finished else s.hard_timeout
+    etas = []
+    if s.max_experiments is not None:
+        etas.append((s.max_experiments - state.done) * per_exp - elapsed)
+    if s.max_hours is not None:
+        etas.append(s.max_hours * 3600 - (time.time() - session.started))
+    if etas:
+        parts.append(f"ETA {format_eta(min(etas))}")
+    return " | ".join(parts)
 
 
 def decide(session: Session, state: State, record: Record) -> str:
@@ -508,7 +536,7 @@ def run_loop(settings: Settings, echo: Callable[[str], None] = print) -> State:
     proposer_cls = load(settings.proposer)
     with Lock(session.paths.lock):
         session.open()
-        state = session.resume()
+        state = session.state = session.resume()
         proposer = proposer_cls(Context(repo=settings.repo, tag=settings.tag, seed=settings.seed,
                                         profile=session.profile, options=dict(settings.options)))
         session.pipeline = proposer.pipeline if settings.pipeline is None else settings.pipeline
@@ -526,6 +554,7 @@ def run_loop(settings: Settings, echo: Callable[[str], None] = print) -> State:
                 if record is None:
                     stop = "the proposer has no more ideas"
                     break
+                session.progress.clear()
                 echo(console_line(record, state))
                 if session.prefetch is not None:
                     session.prefetch.result()  # observe() never runs while propose() does
@@ -535,6 +564,7 @@ def run_loop(settings: Settings, echo: Callable[[str], None] = print) -> State:
                                     f"environment, see {session.paths.run_dir(1) / 'run.log'}")
                 check_failing_proposer(state)
         except KeyboardInterrupt:
+            session.progress.clear()
             proposer.cancelled.set()
             session.prefetch = None
             gitops.reset_to(session.wt, state.best_commit)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from . import LoopError
 from .ledger import read_rows
+from .progress import last_step
 from .session import Paths, is_locked, latest_tag, read_status
 
 
@@ -37,9 +38,11 @@ def collect(repo: Path, tag: str | None) -> dict:
         "recent": [r.__dict__ for r in rows[-5:]],
     }
     if running and status.get("n"):
+        step = last_step(paths.run_dir(status["n"]) / "run.log")
         info["current"] = {"n": status["n"], "phase": status.get("phase"), "description": status.get("description"),
                            "elapsed_s": round(time.time() - status.get("experiment_started", time.time()), 1),
-                           "budget_s": status.get("budget")}
+                           "budget_s": status.get("budget"),
+                           "step": step[0] if step else None, "loss": step[2] if step else None}
     return info
 
 
@@ -57,6 +60,11 @@ def render(info: dict) -> str:
         lines.append("noise: σ not measured yet (no repeated runs)")
     if info["current"]:
         c = info["current"]
-        lines.append(f"current: #{c['n']} {c['phase']} {c['elapsed_s']:.0f}s elapsed (budget {c['budget_s']:g}s): "
-                     f"{c['description'] or '(proposing)'}")
+        progress = f", step {c['step']} loss {c['loss']:.4f}" if c.get("step") is not None else ""
+        lines.append(f"current: #{c['n']} {c['phase']} {c['elapsed_s']:.0f}s elapsed (budget {c['budget_s']:g}s"
+                     f"{progress}): {c['description'] or '(proposing)'}")
+    if info["recent"]:
+        lines.append("last results:")
+        for r in info["recent"]:
+            lines.append(f"  {r['commit']}  {r['val_bpb']:.6f}  {r['status']:7}  {r['description'][:70]}")
     return "\n".join(lines)
