@@ -105,7 +105,7 @@ def main() -> None:
         sigma = state.sigma()
 
         fix_repo = fresh_repo(Path(tmp) / "fix", hobble=True)
-        fix = run_loop(Settings(repo=fix_repo, tag="fix", budget=args.budget, profile=args.profile,
+        run_loop(Settings(repo=fix_repo, tag="fix", budget=args.budget, profile=args.profile,
                                 proposer="__main__:FixProposer"), echo=enough)
         fix_rows = read_rows(fix_repo / "results.tsv")
     print()

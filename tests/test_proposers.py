@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from orchestrator.contract import FAKE_TRAIN, check_proposer, make_fake_repo, train_sources
+from orchestrator.contract import check_proposer, make_fake_repo, train_sources
 from orchestrator.hparams import read_constants, set_constant
 from orchestrator.ledger import read_rows
 from orchestrator.loop import Settings, run_loop
