@@ -22,6 +22,7 @@ from pathlib import Path
 
 from orchestrator.ledger import read_rows
 from orchestrator.loop import Settings, run_loop
+from orchestrator.noise import Gate
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,6 +46,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=None,
                     help="hard limit per run (default 3 x budget + 30 s): huge sampled models time out alike")
     ap.add_argument("--methods", default="search,random,tpe")
+    ap.add_argument("--gate", default="strict", choices=["noise", "strict"],
+                    help="keep rule for every method (strict: short sessions keep something to compare)")
     ap.add_argument("--out", type=Path, default=None, help="also write the raw results as JSON here")
     args = ap.parse_args()
     methods = args.methods.split(",")
@@ -58,7 +61,8 @@ def main() -> None:
                 repo = fresh_repo(Path(tmp) / f"{method}-{seed}")
                 settings = Settings(repo=repo, tag="bench", budget=args.budget, max_experiments=args.experiments,
                                     proposer=method, profile=args.profile, seed=seed,
-                                    timeout=args.timeout or 3 * args.budget + 30)
+                                    timeout=args.timeout or 3 * args.budget + 30, gate=Gate(mode=args.gate),
+                                    baseline_repeats=0 if args.gate == "strict" else 2)
                 run_loop(settings, echo=lambda line: None)
                 rows = read_rows(repo / "results.tsv")
                 kept = [r.val_bpb for r in rows if r.status == "keep"]
