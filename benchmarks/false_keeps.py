@@ -11,12 +11,11 @@ starts from a hobbled train.py (Muon LR / 10) whose one proposal restores it: a 
 from __future__ import annotations
 
 import argparse
-import shutil
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
+from orchestrator.contract import make_git_repo
 from orchestrator.ledger import read_record, read_rows
 from orchestrator.loop import Settings, run_loop
 from orchestrator.proposers import Proposal, Proposer
@@ -57,16 +56,10 @@ class FixProposer(Proposer):
 
 
 def fresh_repo(where: Path, hobble: bool = False) -> Path:
-    where.mkdir(parents=True)
-    for name in ("prepare.py", "train.py", ".gitignore"):
-        shutil.copy(ROOT / name, where / name)
+    files = {name: (ROOT / name).read_text() for name in ("prepare.py", "train.py", ".gitignore")}
     if hobble:
-        train = where / "train.py"
-        train.write_text(train.read_text().replace(*HOBBLE))
-    for cmd in (["git", "init", "-q"], ["git", "add", "-A"],
-                ["git", "-c", "user.name=b", "-c", "user.email=b@b", "commit", "-qm", "baseline"]):
-        subprocess.run(cmd, cwd=where, check=True)
-    return where
+        files["train.py"] = files["train.py"].replace(*HOBBLE)
+    return make_git_repo(where, files)
 
 
 def main() -> None:

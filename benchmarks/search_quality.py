@@ -12,14 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from orchestrator.contract import make_git_repo
 from orchestrator.ledger import read_rows
 from orchestrator.loop import Settings, run_loop
 from orchestrator.noise import Gate
@@ -28,13 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def fresh_repo(where: Path) -> Path:
-    where.mkdir(parents=True)
-    for name in ("prepare.py", "train.py", ".gitignore"):
-        shutil.copy(ROOT / name, where / name)
-    for cmd in (["git", "init", "-q"], ["git", "add", "-A"],
-                ["git", "-c", "user.name=b", "-c", "user.email=b@b", "commit", "-qm", "baseline"]):
-        subprocess.run(cmd, cwd=where, check=True)
-    return where
+    return make_git_repo(where, {name: (ROOT / name).read_text() for name in ("prepare.py", "train.py", ".gitignore")})
 
 
 def main() -> None:

@@ -44,13 +44,19 @@ print("mfu_percent:      0.00")
 '''
 
 
-def make_fake_repo(path: Path, train: str = FAKE_TRAIN) -> Path:
+def make_git_repo(path: Path, files: dict[str, str]) -> Path:
+    """A fresh git repository at path with `files` (relative name -> text) committed as the baseline."""
     path.mkdir(parents=True, exist_ok=True)
-    (path / "train.py").write_text(train)
+    for name, text in files.items():
+        (path / name).write_text(text)
     for cmd in (["git", "init", "-q"], ["git", "add", "-A"],
                 ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "baseline"]):
         subprocess.run(cmd, cwd=path, check=True)
     return path
+
+
+def make_fake_repo(path: Path, train: str = FAKE_TRAIN) -> Path:
+    return make_git_repo(path, {"train.py": train})
 
 
 def train_sources(repo: Path, tag: str, n: int) -> list[str]:
