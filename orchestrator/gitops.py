@@ -96,22 +96,8 @@ def reset_to(wt: git.Repo, commit: str) -> None:
     wt.git.clean("-fdq")
 
 
-def clean(wt: git.Repo) -> None:
-    """Remove files a run left behind, and restore tracked files it changed, keeping HEAD."""
-    wt.git.checkout("--", ".")
-    wt.git.clean("-fdq")
-
-
 def mark_tried(repo: git.Repo, tag: str, n: int, commit: str) -> None:
     repo.git.update_ref(f"refs/autoloop/{tag}/tried/{n}", commit)
-
-
-def is_ancestor(repo: git.Repo, commit: str, of: str) -> bool:
-    try:
-        repo.git.merge_base("--is-ancestor", commit, of)
-        return True
-    except git.GitCommandError:
-        return False
 
 
 def ensure_detached_worktree(repo: git.Repo, path: Path, commit: str) -> git.Repo:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -142,16 +141,3 @@ class Configs:
             if cfg is not None:
                 out.append((rec, cfg, parent if parent is not None else cfg))
         return out
-
-
-def log_distance(p: Param, a, b) -> float:
-    """How far apart two values of a dimension are, in the units the search moves in."""
-    if p.kind == "log":
-        return abs(math.log(b / a)) if a > 0 and b > 0 else math.inf
-    if p.kind == "pow2":
-        return abs(math.log2(b / a)) if a > 0 and b > 0 else math.inf
-    if p.kind == "unit":
-        return abs(math.log((1 - b) / (1 - a)))
-    if p.kind == "choice":
-        return 0.0 if a == b else 1.0
-    return abs(b - a)
