@@ -97,7 +97,8 @@ def test_end_to_end_with_the_real_train_py(tiny_env, tmp_path):
     branch = user.heads["autoloop/e2e"].commit.hexsha
     for r in rows:
         assert user.is_ancestor(user.commit(r.commit).hexsha, branch) == (r.status == "keep")
-    assert "3 experiments" in proc.stdout.splitlines()[-1]
+    summary = [line for line in proc.stdout.splitlines() if line.startswith("autoloop: stopped")]
+    assert len(summary) == 1 and "3 experiments" in summary[0], proc.stdout
 
 
 def test_broken_plugin_is_reported_not_fatal(tmp_path):
