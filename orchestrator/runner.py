@@ -32,8 +32,11 @@ def _descendants(pid: int) -> list[psutil.Process]:
         return []
 
 
-def kill_tree(pid: int, pgid: int, grace_s: float = KILL_GRACE_S) -> None:
-    """SIGTERM the process group and every descendant (even those that left the group), wait, then SIGKILL."""
+def kill_tree(pid: int, pgid: int, grace_s: float = KILL_GRACE_S) -> dict[int, int | None]:
+    """SIGTERM the process group and every descendant (even those that left the group), wait, then SIGKILL.
+
+    Returns the exit status of each process it reaped (psutil reaps our own children while it waits)."""
+    codes: dict[int, int | None] = {}
     procs = _descendants(pid)
     try:
         procs.insert(0, psutil.Process(pid))
@@ -49,7 +52,8 @@ def kill_tree(pid: int, pgid: int, grace_s: float = KILL_GRACE_S) -> None:
                 proc.send_signal(sig)
             except psutil.Error:
                 pass
-        _, alive = psutil.wait_procs(procs, timeout=grace_s if sig == signal.SIGTERM else 2.0)
+        gone, alive = psutil.wait_procs(procs, timeout=grace_s if sig == signal.SIGTERM else 2.0)
+        codes.update((p.pid, None if p.returncode is None else int(p.returncode)) for p in gone)
         procs = alive
         if not procs and sig == signal.SIGTERM:
             # The group may still hold processes we could not see (reparented); finish them off.
@@ -57,7 +61,8 @@ def kill_tree(pid: int, pgid: int, grace_s: float = KILL_GRACE_S) -> None:
                 os.killpg(pgid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-            return
+            return codes
+    return codes
 
 
 def run_command(cmd: list[str], cwd: Path, env: dict[str, str], log_path: Path, timeout_s: float,
@@ -77,6 +82,7 @@ def run_command(cmd: list[str], cwd: Path, env: dict[str, str], log_path: Path, 
     if on_start is not None:
         on_start(proc.pid)
     timed_out = interrupted = False
+    reaped: dict[int, int | None] = {}
     try:
         while True:
             elapsed = time.monotonic() - start
@@ -86,12 +92,12 @@ def run_command(cmd: list[str], cwd: Path, env: dict[str, str], log_path: Path, 
             except subprocess.TimeoutExpired:
                 if cancel is not None and cancel.is_set():
                     interrupted = True
-                    kill_tree(proc.pid, pgid)
+                    reaped = kill_tree(proc.pid, pgid)
                     proc.wait()
                     break
                 if time.monotonic() - start >= timeout_s:
                     timed_out = True
-                    kill_tree(proc.pid, pgid)
+                    reaped = kill_tree(proc.pid, pgid)
                     proc.wait()
                     break
                 if on_tick is not None:
@@ -104,5 +110,6 @@ def run_command(cmd: list[str], cwd: Path, env: dict[str, str], log_path: Path, 
     finally:
         if not interrupted and not timed_out:
             kill_tree(proc.pid, pgid, grace_s=0.5)  # leftovers of a finished run
-    return RunResult(exit_code=proc.returncode, timed_out=timed_out, wall_s=time.monotonic() - start,
+    code = reaped.get(proc.pid, proc.returncode) if (timed_out or interrupted) else proc.returncode
+    return RunResult(exit_code=code, timed_out=timed_out, wall_s=time.monotonic() - start,
                      log_path=log_path, interrupted=interrupted)

@@ -1,0 +1,160 @@
+"""The executor contract: where and how one experiment's commands run.
+
+The controller hands an executor a Job (commands, environment, hard timeout, the files they work on) and a
+slot; the executor runs the steps somewhere (a local GPU, a Ray worker on another machine) and reports what it
+observed: each step's exit code, whether it timed out, its wall time and log, the files the steps wrote, the
+device it ran on. `infra_error` set means the executor failed, not the experiment: the controller runs the job
+again elsewhere and never records it as the idea's crash.
+
+`run_steps` is the part every executor shares: it runs on the machine that does the work.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ..runner import run_command
+
+OUT = "{out}"  # in a step's arguments and environment: the directory the steps write logs and outputs to
+PYTHON = "{python}"  # the Python interpreter of the machine the step runs on
+
+
+@dataclass
+class Job:
+    steps: list[list[str]]  # commands run in order; a step runs only if the one before exited 0 and left
+    logs: list[str]  #        the watched files alone. One log file name per step.
+    env: dict[str, str]
+    timeout_s: float  # hard limit for each step; the whole process tree is killed when it is reached
+    workdir: Path  # the code on the controller's machine (a git worktree)
+    out_dir: Path  # where logs and outputs end up on the controller's machine
+    watch: tuple[str, ...] = ()  # files of workdir no step may change (checked after every step)
+    inputs: dict[str, Path] = field(default_factory=dict)  # files put into the output directory first
+    on_start: Callable[[int], None] | None = None  # the pid of each step's process (executors on this machine)
+
+
+@dataclass
+class StepResult:
+    exit_code: int | None
+    timed_out: bool
+    wall_s: float
+    log: Path
+
+
+@dataclass
+class JobResult:
+    steps: list[StepResult] = field(default_factory=list)
+    modified: list[str] = field(default_factory=list)  # watched files a step changed (later steps did not run)
+    ages: dict[str, float] = field(default_factory=dict)  # output file -> seconds from the start of step 1
+    device: str = ""  # e.g. "NVIDIA H100 80GB HBM3" or "cpu"
+    node: str = ""  # the host the job ran on
+    slot: int = 0
+    infra_error: str = ""  # the executor failed (node lost, worker died): run the job again elsewhere
+    interrupted: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.steps) and not self.interrupted and all(s.exit_code == 0 and not s.timed_out for s in self.steps)
+
+
+@dataclass
+class Slot:
+    index: int
+    env: dict[str, str]  # e.g. CUDA_VISIBLE_DEVICES for the slot's GPU
+    label: str  # what the console shows: "gpu 3", "cpu", "ray"
+
+
+class Handle:
+    """A submitted job: poll `done()`, wait with `result()`, stop it with `cancel()`."""
+
+    def done(self) -> bool:
+        raise NotImplementedError
+
+    def result(self, timeout: float | None = None) -> JobResult:
+        raise NotImplementedError
+
+    def cancel(self) -> None:
+        raise NotImplementedError
+
+
+class Executor:
+    name = "base"
+    slots: list[Slot]
+
+    def submit(self, job: Job, slot: Slot) -> Handle:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+def sha256_of(path: Path) -> str:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return ""
+
+
+def substitute(value: str, out: Path, python: str) -> str:
+    return value.replace(OUT, str(out)).replace(PYTHON, python)
+
+
+def gpu_name(visible: str | None) -> str:
+    """The model of the first GPU in CUDA_VISIBLE_DEVICES (nvidia-smi), or 'cpu' where there is none."""
+    if visible is not None and not visible.strip():
+        return "cpu"
+    first = (visible or "0").split(",")[0].strip()
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", first],
+                             capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return "cpu"
+    name = out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else ""
+    return name or "cpu"
+
+
+def run_steps(job: Job, workdir: Path, out: Path, slot_env: dict[str, str],
+              cancel: threading.Event | None = None) -> JobResult:
+    """Run the job's steps in workdir, logs and outputs to out; on the machine that does the work."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name, src in job.inputs.items():
+        dest = out / name
+        if Path(src).resolve() != dest.resolve():
+            shutil.copy2(src, dest)
+    env = {k: substitute(v, out, sys.executable) for k, v in {**job.env, **slot_env}.items()}
+    result = JobResult(device=gpu_name(env.get("CUDA_VISIBLE_DEVICES")), node=socket.gethostname())
+    before = {name: sha256_of(workdir / name) for name in job.watch}
+    first_start = None
+    for cmd, log in zip(job.steps, job.logs):
+        started = time.time()
+        first_start = first_start or started
+        run = run_command([substitute(a, out, sys.executable) for a in cmd], workdir, env, out / log,
+                          job.timeout_s, on_start=job.on_start, cancel=cancel)
+        result.steps.append(StepResult(run.exit_code, run.timed_out, run.wall_s, out / log))
+        if run.interrupted:
+            result.interrupted = True
+            break
+        result.modified = [name for name, digest in before.items() if sha256_of(workdir / name) != digest]
+        if run.timed_out or run.exit_code != 0 or result.modified:
+            break
+    for path in out.iterdir():
+        if path.is_file() and first_start is not None:
+            result.ages[path.name] = path.stat().st_mtime - first_start
+    return result
+
+
+def wait_any(handles: list[Handle], poll_s: float = 0.5, until: float | None = None) -> list[Handle]:
+    """The handles that are done, waiting until at least one is (or the monotonic deadline `until` passes)."""
+    while True:
+        done = [h for h in handles if h.done()]
+        if done or not handles or (until is not None and time.monotonic() >= until):
+            return done
+        time.sleep(poll_s)

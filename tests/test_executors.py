@@ -1,0 +1,63 @@
+"""The executor contract on the local executor and, where Ray is installed, on a local Ray cluster."""
+
+from __future__ import annotations
+
+import pytest
+
+import executor_contract as contract
+from orchestrator.executors import LocalExecutor, make_executor
+from orchestrator.executors.local import local_slots
+
+CHECKS = [contract.check_steps_logs_outputs, contract.check_watched_files, contract.check_timeout_kills_tree,
+          contract.check_cancel]
+
+
+@pytest.fixture(scope="module")
+def ray_executor():
+    ray = pytest.importorskip("ray")
+    from orchestrator.executors.ray_executor import RayExecutor
+
+    ray.init(address="local", num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield RayExecutor(workers=2)
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture
+def code(tmp_path):
+    return contract.code_repo(tmp_path / "code")
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)
+def test_local_executor(check, code, tmp_path):
+    check(LocalExecutor(workers=2, gpus=["0", "1"]), code, tmp_path)
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)
+def test_ray_executor(check, ray_executor, code, tmp_path):
+    check(ray_executor, code, tmp_path)
+
+
+def test_local_slots_pin_their_gpus(code, tmp_path):
+    seen = contract.check_own_gpus(LocalExecutor(workers=2, gpus=["3", "5"]), code, tmp_path)
+    assert seen == ["'3'", "'5'"]
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in local_slots(2, ["0", "1", "2", "3"])] == ["0,1", "2,3"]
+
+
+def test_cpu_slots_share_the_cores():
+    slots = local_slots(2, [])
+    assert all(s.env["CUDA_VISIBLE_DEVICES"] == "" and int(s.env["OMP_NUM_THREADS"]) >= 1 for s in slots)
+    assert local_slots(1, []) [0].env == {}  # one slot: the machine as it is
+    with pytest.raises(ValueError, match="--workers 3 needs at least 3 GPUs"):
+        local_slots(3, ["0", "1"])
+
+
+def test_ray_tasks_get_their_own_gpu(ray_executor, code, tmp_path):
+    seen = contract.check_own_gpus(ray_executor, code, tmp_path)
+    assert sorted(seen) == ["'0'", "'1'"]
+
+
+def test_unknown_executor():
+    with pytest.raises(ValueError, match="choose one of: local, ray"):
+        make_executor("slurm")
