@@ -24,6 +24,16 @@ PROPOSER_OPTIONS = ("program", "prompt_chars", "agent", "agent_cmd", "agent_time
                     "llm_api_key_env", "llm_timeout", "llm_price_in", "llm_price_out")
 
 
+def check_gpus(ctx, param, value):
+    """'0,1,3' -> ['0', '1', '3']."""
+    if value is None:
+        return None
+    ids = [part.strip() for part in str(value).split(",") if part.strip()]
+    if not ids or not all(part.isdigit() for part in ids) or len(set(ids)) != len(ids):
+        raise click.BadParameter(f"{value!r} is not a list of distinct GPU ids such as 0,1,2,3")
+    return ids
+
+
 def default_tag() -> str:
     return time.strftime("%b%d").lower()  # e.g. nov30
 
@@ -120,6 +130,15 @@ def main() -> None:
 @click.option("--max-repeats", type=click.IntRange(min=1), default=3, show_default=True,
               envvar="AUTOLOOP_MAX_REPEATS", show_envvar=True,
               help="Runs of one candidate at most, when it is better but inside the margin.")
+@click.option("--workers", type=click.IntRange(min=1), envvar="AUTOLOOP_WORKERS", show_envvar=True,
+              help="Experiments at once (more than 1: generations, see README).  [default: one per GPU, else 1]")
+@click.option("--gpus", callback=check_gpus, envvar="AUTOLOOP_GPUS", show_envvar=True,
+              help="GPU ids for the local executor, e.g. 0,1,2,3.  [default: detected]")
+@click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              envvar="AUTOLOOP_EXECUTOR", show_envvar=True,
+              help="Where runs execute: local slots, or Ray tasks (pip install 'autoloop[ray]').")
+@click.option("--ray-address", envvar="AUTOLOOP_RAY_ADDRESS", show_envvar=True,
+              help="Ray cluster to join, e.g. ray://head:10001 or auto.  [default: RAY_ADDRESS, else a local Ray]")
 @click.option("--pipeline/--no-pipeline", default=None, envvar="AUTOLOOP_PIPELINE", show_envvar=True,
               help="Prepare the next idea while an experiment trains.  [default: on for agent and llm]")
 @click.option("--program", envvar="AUTOLOOP_PROGRAM", show_envvar=True,
@@ -156,6 +175,11 @@ def run(ctx: click.Context, **values) -> None:
     repo = resolve_repo(values.pop("repo"))
     values = apply_pyproject(ctx, values, repo)
     options = {k: values.pop(k) for k in PROPOSER_OPTIONS}
+    if values["gpus"] is not None and not isinstance(values["gpus"], list):  # from [tool.autoloop]
+        try:
+            values["gpus"] = check_gpus(ctx, None, values["gpus"])
+        except click.BadParameter as e:
+            raise click.ClickException(f"[tool.autoloop] gpus: {e.message}") from None
     settings = Settings(repo=repo, tag=values["tag"] or default_tag(), budget=values["budget"],
                         timeout=values["timeout"], max_experiments=values["max_experiments"],
                         max_hours=values["max_hours"], proposer=values["proposer"], profile=values["profile"],
@@ -163,7 +187,10 @@ def run(ctx: click.Context, **values) -> None:
                         max_tokens=values["max_tokens"], max_cost=values["max_cost"],
                         options={k: v for k, v in options.items() if v is not None},
                         gate=Gate(values["gate"], values["gate_sigmas"], values["min_delta"], values["max_repeats"]),
-                        baseline_repeats=values["baseline_repeats"])
+                        baseline_repeats=values["baseline_repeats"], executor=values["executor"],
+                        workers=values["workers"], gpus=values["gpus"], ray_address=values["ray_address"])
+    if settings.executor != "local" and settings.gpus is not None:
+        raise click.UsageError("--gpus is for the local executor; Ray gives each task its own GPU")
     try:
         run_loop(settings, echo=lambda line: click.echo(line))
     except LoopError as e:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,9 +24,14 @@ def harness_evaluate(workdir: Path, env: dict[str, str], artifact: Path, split: 
                               cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return None, f"the harness evaluation timed out after {timeout:.0f}s"
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("AUTOLOOP_EVAL ")), None)
+    return parse_evaluation(proc.stdout + "\n" + proc.stderr, split, f"exit {proc.returncode}")
+
+
+def parse_evaluation(output: str, split: str = "val", failed: str = "no output") -> tuple[float | None, str]:
+    """(bits per byte, '') from the AUTOLOOP_EVAL line `prepare.py --evaluate` prints, or (None, why not)."""
+    line = next((ln for ln in output.splitlines() if ln.startswith("AUTOLOOP_EVAL ")), None)
     if line is None:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+        tail = output.strip().splitlines()[-1:] or [failed]
         return None, f"the harness evaluation failed: {tail[0][:200]}"
     result = json.loads(line.split(" ", 1)[1])
     if "error" in result:
@@ -63,9 +67,3 @@ def compare_printed(printed: float | None, measured: float) -> str:
         return f"train.py printed val_bpb {printed:.6f}, the harness measured {measured:.6f}"
     return ""
 
-
-def artifact_age(artifact: Path, started_wall: float) -> float | None:
-    try:
-        return os.stat(artifact).st_mtime - started_wall
-    except OSError:
-        return None

@@ -9,41 +9,44 @@ from __future__ import annotations
 import os
 import shutil
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import git
 import psutil
 
 from . import LoopError, gitops
-from .evaluation import artifact_age, audit_clock, compare_printed, harness_evaluate
+from .evaluation import audit_clock, compare_printed, parse_evaluation
+from .executors import OUT, PYTHON, Handle, Job, JobResult, Slot
 from .guard import new_violations
 from .ledger import Record, Row, append_row, write_record
 from .noise import judge, pooled_sigma, significant_lines
 from .pipeline import Prefetch, Prepared, make_proposal
 from .progress import format_eta, last_step
 from .proposers import Proposer
-from .runner import run_command
 from .session import write_status
 from .summary import last_error_line, parse_summary, val_bpb_of
 
 if TYPE_CHECKING:
     from .loop import Session, State
 
+PROGRESS_TICK_S = 1.0
+MAX_INFRA_RETRIES = 3  # executor failures (node lost, worker died) of one experiment before the loop stops
+
 
 # ---------------------------------------------------------------------------
 
 
-def check_edit(session: Session) -> str:
-    """Why the proposed edit may not run ('' if it may): only train.py changed, it compiles, and it leaves
-    alone what the controller and prepare.py own (seed, budget, evaluation, validation data)."""
-    changed = gitops.changed_files(session.wt)
+def check_edit(session: Session, wt: git.Repo) -> str:
+    """Why the proposed edit in worktree wt may not run ('' if it may): only train.py changed, it compiles, and
+    it leaves alone what the controller and prepare.py own (seed, budget, evaluation, validation data)."""
+    changed = gitops.changed_files(wt)
     others = [f for f in changed if f != "train.py"]
     if others:
         return f"edited files other than train.py: {', '.join(others[:5])}"
     try:
-        source = (session.paths.worktree / "train.py").read_text()
+        source = (Path(wt.working_tree_dir) / "train.py").read_text()
         compile(source, "train.py", "exec")
     except SyntaxError as e:
         return f"train.py does not compile: {e.msg} (line {e.lineno})"
@@ -65,10 +68,15 @@ def repeat_of(session: Session, state: State) -> Prepared | None:
         return None
     first = next(r for r in state.records if r.n == state.pending)
     k = sum(1 for r in state.records if (r.group or r.n) == state.pending) + 1
-    patch = (session.paths.run_dir(first.n) / "diff.patch").read_text()
-    info = {key: v for key, v in first.info.items() if key not in ("queue_id", "usage")}
+    patch = repeat_patch(session, first)
+    info = {key: v for key, v in first.info.items() if key not in ("queue_id", "usage", "infra_failures")}
     return Prepared(base=best, description=f"{first.description} (repeat {k}/{session.settings.gate.max_repeats})",
                     patch=patch, group=state.pending, info={**info, "repeat": k})
+
+
+def repeat_patch(session: Session, first: Record) -> str:
+    """The edit of an earlier run, to run it again (on the same best it was made on)."""
+    return (session.paths.run_dir(first.n) / "diff.patch").read_text()
 
 
 def next_idea(session: Session, proposer: Proposer, state: State, n: int) -> tuple[Prepared, float]:
@@ -119,7 +127,7 @@ def run_experiment(session: Session, proposer: Proposer, state: State, n: int) -
     run_dir = paths.run_dir(n)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_status(paths, phase="proposing", n=n, experiment_started=record.started, description="",
-                 train_pid=None, pid=os.getpid(), tag=s.tag, budget=s.budget)
+                 train_pid=None, train_pids={}, pid=os.getpid(), tag=s.tag, budget=s.budget)
 
     prepared, waited = next_idea(session, proposer, state, n)
     record.timings["propose"], record.timings["propose_wait"] = prepared.seconds, waited
@@ -131,22 +139,7 @@ def run_experiment(session: Session, proposer: Proposer, state: State, n: int) -
     if prepared.log:
         (run_dir / "proposer.log").write_text(prepared.log)
 
-    t = time.monotonic()
-    if not reason and (error := gitops.apply_patch(session.wt, prepared.patch)):
-        reason = f"the proposal does not apply: {error}"
-    reason = reason or check_edit(session)
-    problems = [] if reason else session.integrity_problems()  # an edit outside train.py never runs anyway
-    if problems:
-        raise LoopError(f"the prepared harness no longer verifies ({'; '.join(problems)}); an earlier run may have "
-                        "modified it. Re-run `python prepare.py --force`, then the same autoloop command to resume")
-    record.timings["check"] = time.monotonic() - t
-
-    t = time.monotonic()
-    record.commit = gitops.commit_all(session.wt, f"autoloop {s.tag} #{n}: {record.description}")
-    gitops.mark_tried(session.repo, s.tag, n, record.commit)
-    (run_dir / "diff.patch").write_text(gitops.diff(session.wt, state.best_commit, record.commit))
-    record.timings["git"] = time.monotonic() - t
-
+    reason = stage(session, session.wt, record, prepared, reason)
     if not reason:
         start_prefetch(session, proposer, state, record)
         reason = train(session, record, run_dir)
@@ -154,53 +147,125 @@ def run_experiment(session: Session, proposer: Proposer, state: State, n: int) -
     return record
 
 
-def train(session: Session, record: Record, run_dir: Path) -> str:
-    """Run train.py under the hard timeout, then have the harness measure the model it saved and audit the
-    run's clock. Fills the record's metrics; returns a crash reason or ''."""
-    s = session.settings
-    artifact = run_dir / "model.pt"
-    env = dict(session.env, AUTOLOOP_EVAL_ARTIFACT=str(artifact)) if session.info.artifacts else session.env
+def stage(session: Session, wt: git.Repo, record: Record, prepared: Prepared, reason: str) -> str:
+    """Apply the idea in worktree wt (at its base), check it, and commit it (a failed idea too, so every row
+    has a commit); returns why it may not run, or ''."""
+    t = time.monotonic()
+    if not reason and (error := gitops.apply_patch(wt, prepared.patch)):
+        reason = f"the proposal does not apply: {error}"
+    reason = reason or check_edit(session, wt)
+    problems = [] if reason else session.integrity_problems()  # an edit outside train.py never runs anyway
+    if problems:
+        raise LoopError(f"the prepared harness no longer verifies ({'; '.join(problems)}); an earlier run may have "
+                        "modified it. Re-run `python prepare.py --force`, then the same autoloop command to resume")
+    record.timings["check"] = time.monotonic() - t
+    t = time.monotonic()
+    record.commit = gitops.commit_all(wt, f"autoloop {session.settings.tag} #{record.n}: {record.description}")
+    gitops.mark_tried(session.repo, session.settings.tag, record.n, record.commit)
+    (session.paths.run_dir(record.n) / "diff.patch").write_text(gitops.diff(wt, prepared.base, record.commit))
+    record.timings["git"] = time.monotonic() - t
+    return reason
 
+
+def build_job(session: Session, workdir: Path, run_dir: Path) -> Job:
+    """The experiment as the executor runs it: train.py, then (with a harness that saves the model) the
+    harness's own evaluation of that model in a process of its own; no step may change a tracked file."""
+    steps, logs, step_env = [[PYTHON, "train.py"]], ["run.log"], [{}]
+    env = dict(session.env)
+    if session.info.artifacts:
+        env["AUTOLOOP_EVAL_ARTIFACT"] = f"{OUT}/model.pt"
+        steps.append([PYTHON, "prepare.py", "--evaluate", f"{OUT}/model.pt", "--split", "val"])
+        logs.append("eval.log")
+        step_env.append({"AUTOLOOP_EVAL_ARTIFACT": None})
+    watch = tuple(name for name in git.Repo(workdir).git.ls_files("-z").split("\0") if name)
+    return Job(steps=steps, logs=logs, env=env, timeout_s=session.settings.hard_timeout, workdir=workdir,
+               out_dir=run_dir, watch=watch, step_env=step_env)
+
+
+def submit(session: Session, job: Job, slot: Slot, record: Record) -> Handle:
+    """Start the job; the pids of its processes on this machine go to status.json (resume kills orphans)."""
     def on_start(pid: int) -> None:
         try:
             created = psutil.Process(pid).create_time()
         except psutil.Error:
             created = 0.0
-        write_status(session.paths, train_pid=pid, train_started=created)
+        session.track_pid(slot.index, pid, created)
 
+    job.on_start = on_start
+    record.timings.setdefault("submitted", time.time())
+    return session.executor.submit(job, slot)
+
+
+def infra_retry(session: Session, record: Record, result: JobResult) -> None:
+    """Note an executor failure on the record; give up (LoopError) once it keeps happening."""
+    failures = record.info.setdefault("infra_failures", [])
+    failures.append(result.infra_error)
+    if len(failures) > MAX_INFRA_RETRIES:
+        raise LoopError(f"the {session.executor.name} executor failed {len(failures)} times running experiment "
+                        f"{record.n} (last: {result.infra_error}); check the executor (cluster, GPUs), then run "
+                        "the same command to resume")
+    session.echo(f"autoloop: #{record.n}: the executor failed ({result.infra_error}); not the idea's fault, "
+                 f"running it again ({len(failures)}/{MAX_INFRA_RETRIES})")
+
+
+def train(session: Session, record: Record, run_dir: Path) -> str:
+    """Run the experiment on the executor's first slot, waiting for it (progress line), retrying executor
+    failures; then measure it. Returns a crash reason or ''."""
+    job = build_job(session, session.paths.worktree, run_dir)
+    slot = session.executor.slots[0]
     write_status(session.paths, phase="training", description=record.description, training_started=time.time())
-    t, started_wall = time.monotonic(), time.time()
+    while True:
+        started = time.monotonic()
+        handle = submit(session, job, slot, record)
+        try:
+            while not handle.wait(PROGRESS_TICK_S):
+                elapsed = time.monotonic() - started
+                session.progress.update(progress_text(session, record, elapsed, run_dir / "run.log"))
+        except KeyboardInterrupt:
+            handle.cancel()
+            handle.result()
+            raise
+        result = handle.result()
+        if not result.infra_error:
+            break
+        infra_retry(session, record, result)
+    return measure(session, record, result)
 
-    def on_tick(elapsed: float) -> None:
-        session.progress.update(progress_text(session, record, elapsed, run_dir / "run.log"))
 
-    result = run_command([sys.executable, "train.py"], session.paths.worktree, env, run_dir / "run.log",
-                         s.hard_timeout, on_start=on_start, on_tick=on_tick)
-    record.timings["train"] = time.monotonic() - t
-    record.exit_code, record.timed_out = result.exit_code, result.timed_out
-    log_text = result.log_path.read_text(errors="replace")
+def measure(session: Session, record: Record, result: JobResult) -> str:
+    """Read what the run left (its summary, the harness's measurement, the clock) into the record; returns a
+    crash reason or ''. The number that counts is the harness's, never the one train.py printed."""
+    s = session.settings
+    record.device = result.device
+    train_step = result.steps[0]
+    record.timings["train"] = train_step.wall_s
+    if len(result.steps) > 1:
+        record.timings["eval"] = result.steps[1].wall_s
+    record.exit_code, record.timed_out = train_step.exit_code, train_step.timed_out
+    log_text = train_step.log.read_text(errors="replace") if train_step.log.exists() else ""
     record.metrics = parse_summary(log_text)
     printed = val_bpb_of(record.metrics)
-    touched = gitops.modified_tracked(session.wt)
-    if result.timed_out:
+    if train_step.timed_out:
         return f"timeout after {s.hard_timeout:.0f}s"
-    if result.exit_code != 0:
-        return f"exit code {result.exit_code}: {last_error_line(log_text)}".rstrip(": ")
-    if touched:
-        return f"the run modified {', '.join(touched)}"
+    if train_step.exit_code != 0:
+        return f"exit code {train_step.exit_code}: {last_error_line(log_text)}".rstrip(": ")
+    if result.modified:
+        return f"the run modified {', '.join(result.modified)}"
     if "val_bpb" not in record.metrics:
         return f"no val_bpb in the summary: {last_error_line(log_text)}".rstrip(": ")
     if not session.info.artifacts:  # a harness without artifacts (e.g. upstream's): its printed number
         record.val_bpb = printed
         return "" if printed is not None else f"val_bpb is not finite ({record.metrics['val_bpb']})"
-    if not artifact.exists():
+    if "model.pt" not in result.ages:
         return "train.py did not call prepare.evaluate_bpb: no model was saved for the harness to measure"
-    if why := audit_clock(record.metrics, s.budget, artifact_age(artifact, started_wall), s.startup_allowance):
+    if why := audit_clock(record.metrics, s.budget, result.ages["model.pt"], s.startup_allowance):
         return why
-    write_status(session.paths, phase="evaluating")
-    t = time.monotonic()
-    measured, why = harness_evaluate(session.paths.worktree, session.env, artifact, timeout=s.hard_timeout)
-    record.timings["eval"] = time.monotonic() - t
+    if len(result.steps) < 2:
+        return "the harness evaluation did not run"
+    eval_step = result.steps[1]
+    if eval_step.timed_out:
+        return f"the harness evaluation timed out after {s.hard_timeout:.0f}s"
+    measured, why = parse_evaluation(eval_step.log.read_text(errors="replace") if eval_step.log.exists() else "")
     if measured is None:
         return why
     record.metrics["harness_val_bpb"] = measured
@@ -240,7 +305,7 @@ def decide(session: Session, state: State, record: Record) -> str:
         record.gate = {"decision": "repeat", "runs": len(runs), "mean": statistics.fmean(runs)}
         return "discard"
     best_source = session.repo.git.show(f"{state.best_commit}:train.py")
-    shorter = significant_lines((session.paths.worktree / "train.py").read_text()) < significant_lines(best_source)
+    shorter = significant_lines(session.repo.git.show(f"{record.commit}:train.py")) < significant_lines(best_source)
     groups = {**state.groups, group: runs}
     sigma = pooled_sigma(list(groups.values()))
     verdict = judge(runs, groups[state.best_group], sigma, session.settings.gate, shorter)
@@ -255,6 +320,9 @@ def row_text(record: Record) -> tuple[float, str]:
     if record.status == "crash":
         return 0.0, f"{record.description} [crash: {record.reason}]"
     g = record.gate
+    if g.get("note"):  # parallel generations: selection, confirmation
+        value = g.get("mean", record.val_bpb) if record.status == "keep" else record.val_bpb
+        return value, f"{record.description} [{g['note']}]"
     if g.get("decision") == "rerun":
         return record.val_bpb, f"{record.description} [inside the margin {g['margin']:.4f}: running again]"
     if g.get("sigma") is not None and (g["decision"] == "keep" or g["runs"] > 1):
@@ -264,14 +332,15 @@ def row_text(record: Record) -> tuple[float, str]:
     return record.val_bpb, record.description
 
 
-def finish(session: Session, state: State, record: Record, reason: str) -> None:
-    """Decide, record (record.json, then the fsync'd row), and move the branch; in that order, for resume."""
+def finish(session: Session, state: State, record: Record, reason: str, status: str | None = None) -> None:
+    """Decide (unless `status` is given: decided by the caller, gate filled), record (record.json, then the
+    fsync'd row), and move the branch; in that order, for resume."""
     t = time.monotonic()
     record.reason = reason
     if reason:
         record.status, record.val_bpb = "crash", None
     else:
-        record.status = decide(session, state, record)
+        record.status = status or decide(session, state, record)
     record.ended = time.time()
     record.timings["record"] = time.monotonic() - t
     write_record(session.paths.run_dir(record.n), record)
@@ -287,7 +356,8 @@ def finish(session: Session, state: State, record: Record, reason: str) -> None:
         session.queue.mark_done(record.info["queue_id"], session.settings.tag, record.n)
     gitops.reset_to(session.wt, state.best_commit)
     sigma = state.sigma()
-    write_status(session.paths, phase="idle", train_pid=None, last=record.n, sigma=sigma.value, sigma_dof=sigma.dof)
+    session.pids.clear()
+    write_status(session.paths, phase="idle", train_pid=None, train_pids={}, last=record.n, sigma=sigma.value, sigma_dof=sigma.dof)
 
 
 def keep_artifact(session: Session, state: State, record: Record, previous_best: int) -> None:

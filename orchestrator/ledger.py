@@ -48,6 +48,8 @@ class Record:
     info: dict = field(default_factory=dict)  # what the proposer attached (e.g. the queue item id)
     group: int = 0  # the first run of this candidate (repeats share it); 0 means n
     gate: dict = field(default_factory=dict)  # decision, runs, mean, margin, sigma (noise-aware gate)
+    device: str = ""  # what it ran on, as the executor saw it (e.g. "NVIDIA H100 80GB HBM3", "cpu")
+    slot: int | None = None  # the executor slot (parallel runs)
 
 
 def _fsync_dir(path: Path) -> None:

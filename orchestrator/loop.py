@@ -19,7 +19,9 @@ import psutil
 
 from . import LoopError, gitops, harness
 from .evaluation import harness_evaluate
+from .executors import Executor, make_executor
 from .experiment import run_experiment
+from .generations import run_generations
 from .ledger import Record, ensure_header, read_record, read_rows, write_json_atomic
 from .noise import Gate, Sigma, pooled_sigma
 from .pipeline import Prefetch
@@ -52,6 +54,10 @@ class Settings:
     gate: Gate = field(default_factory=Gate)  # the keep rule (noise-aware by default)
     baseline_repeats: int = 2  # extra runs of the baseline, to measure σ
     startup_allowance: float = 60.0  # seconds of start-up allowed on top of the budget before "budget exceeded"
+    executor: str = "local"  # local | ray
+    workers: int | None = None  # experiments at once; default: one per GPU (local) or per cluster GPU (ray)
+    gpus: list[str] | None = None  # local GPU ids to use (default: detected)
+    ray_address: str | None = None
 
     @property
     def hard_timeout(self) -> float:
@@ -126,6 +132,20 @@ class Session:
         self.pipeline = bool(settings.pipeline)
         self.prefetch: Prefetch | None = None
         self._proposal_wt = None
+        self.executor: Executor | None = None
+        self.pids: dict[str, list[float]] = {}  # slot -> [pid, create time] of the process it runs here
+
+    def track_pid(self, slot: int, pid: int, created: float) -> None:
+        self.pids[str(slot)] = [pid, created]
+        write_status(self.paths, train_pid=pid, train_started=created, train_pids=self.pids)
+
+    def open_executor(self) -> Executor:
+        s = self.settings
+        try:
+            self.executor = make_executor(s.executor, s.workers, s.gpus, s.ray_address)
+        except (ValueError, ImportError) as e:
+            raise LoopError(str(e)) from None
+        return self.executor
 
     def proposal_worktree(self, base: str):
         """The proposers' worktree, reset to base (detached; never on the loop's branch)."""
@@ -210,16 +230,17 @@ class Session:
 
 
 def kill_orphan(status: dict) -> None:
-    """A controller killed with SIGKILL leaves its training process running: end it before resuming."""
-    pid = status.get("train_pid")
-    if not pid:
-        return
-    try:
-        proc = psutil.Process(pid)
-        if abs(proc.create_time() - status.get("train_started", 0)) < 2.0:
-            kill_tree(pid, pid)
-    except psutil.Error:
-        pass
+    """A controller killed with SIGKILL leaves its training processes running: end them before resuming."""
+    running = [tuple(v) for v in (status.get("train_pids") or {}).values()]
+    if status.get("train_pid"):
+        running.append((status["train_pid"], status.get("train_started", 0)))
+    for pid, created in set(running):
+        try:
+            proc = psutil.Process(int(pid))
+            if abs(proc.create_time() - created) < 2.0:
+                kill_tree(int(pid), int(pid))
+        except psutil.Error:
+            pass
 
 
 # ---------------------------------------------------------------------------
@@ -275,14 +296,29 @@ def run_loop(settings: Settings, echo: Callable[[str], None] = print) -> State:
         session.pipeline = proposer.pipeline if settings.pipeline is None else settings.pipeline
         for record in state.records:
             proposer.observe(record)
+        executor = session.open_executor()
+        parallel = len(executor.slots) > 1
+        if parallel:
+            session.pipeline = False  # a generation's ideas are all made before it starts
         echo(f"autoloop: tag {settings.tag} | branch autoloop/{settings.tag} | budget {settings.budget:g}s | "
              f"timeout {settings.hard_timeout:.0f}s | proposer {settings.proposer}"
              f"{' (pipelined)' if session.pipeline else ''} | {state.done} experiment(s) already recorded")
+        echo(f"autoloop: executor {executor.name} | {len(executor.slots)} slot(s): "
+             f"{', '.join(slot.label for slot in executor.slots[:8])}{' ...' if len(executor.slots) > 8 else ''}"
+             f"{' | generations of ' + str(len(executor.slots)) + ' runs' if parallel else ''}")
         echo(console_header())
         started, stop = time.time(), ""
         previous = signal.signal(signal.SIGTERM, _sigterm_to_interrupt)
+
+        def on_record(record: Record) -> None:
+            echo(console_line(record, state))
+            proposer.observe(record)
+
         try:
-            while not (stop := _stop_reason(settings, state, started)):
+            if parallel:
+                stop = run_generations(session, proposer, state, lambda: _stop_reason(settings, state, started),
+                                       on_record, lambda: check_failing_proposer(state))
+            while not parallel and not (stop := _stop_reason(settings, state, started)):
                 record = run_experiment(session, proposer, state, state.done + 1)
                 if record is None:
                     stop = "the proposer has no more ideas"
@@ -301,14 +337,15 @@ def run_loop(settings: Settings, echo: Callable[[str], None] = print) -> State:
             proposer.cancelled.set()
             session.prefetch = None
             gitops.reset_to(session.wt, state.best_commit)
-            write_status(session.paths, phase="stopped", train_pid=None)
+            write_status(session.paths, phase="stopped", train_pid=None, train_pids={}, running=[])
             echo(f"autoloop: interrupted; experiment {state.done + 1} was not recorded. "
                  "Run the same command to resume.")
             raise
         finally:
             signal.signal(signal.SIGTERM, previous)
             proposer.close()
-        write_status(session.paths, phase="finished", train_pid=None)
+            executor.close()
+        write_status(session.paths, phase="finished", train_pid=None, train_pids={}, running=[])
         echo(session_summary(settings, state, stop))
         holdout_check(session, state, echo)
         return state

@@ -30,6 +30,10 @@ class Paths:
     def proposal(self) -> Path:
         return self.state / "proposal"
 
+    def slot(self, index: int) -> Path:
+        """The worktree of executor slot `index` (parallel runs)."""
+        return self.state / "slots" / str(index)
+
     @property
     def ledger(self) -> Path:
         return self.state / "results.tsv"

@@ -103,7 +103,7 @@ def test_second_run_on_same_tag_refuses_while_first_alive(fake_repo, tmp_path):
     plan_path = fakes.write_plan(tmp_path / "plan.json", [{"description": "slow", "train": fakes.ok(0.9, 5.0)}])
     first = start(repo, plan_path)
     try:
-        wait_for(lambda: status(repo).get("phase") == "training")
+        wait_for(lambda: status(repo).get("phase") == "training" and status(repo).get("n") == 2)
         second = subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", "--repo", str(repo), "--tag", "k",
                                  "--proposer", "fakes:Scripted"],
                                 env=subprocess_env(AUTOLOOP_TEST_PLAN=str(plan_path)), capture_output=True,

@@ -38,6 +38,7 @@ class Job:
     out_dir: Path  # where logs and outputs end up on the controller's machine
     watch: tuple[str, ...] = ()  # files of workdir no step may change (checked after every step)
     inputs: dict[str, Path] = field(default_factory=dict)  # files put into the output directory first
+    step_env: list[dict[str, str | None]] = field(default_factory=list)  # per step: set (or None: unset)
     on_start: Callable[[int], None] | None = None  # the pid of each step's process (executors on this machine)
 
 
@@ -77,6 +78,15 @@ class Handle:
 
     def done(self) -> bool:
         raise NotImplementedError
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to timeout seconds for the job to end; True if it has."""
+        deadline = time.monotonic() + timeout
+        while not self.done():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+        return True
 
     def result(self, timeout: float | None = None) -> JobResult:
         raise NotImplementedError
@@ -133,10 +143,16 @@ def run_steps(job: Job, workdir: Path, out: Path, slot_env: dict[str, str],
     result = JobResult(device=gpu_name(env.get("CUDA_VISIBLE_DEVICES")), node=socket.gethostname())
     before = {name: sha256_of(workdir / name) for name in job.watch}
     first_start = None
-    for cmd, log in zip(job.steps, job.logs):
+    for i, (cmd, log) in enumerate(zip(job.steps, job.logs)):
         started = time.time()
         first_start = first_start or started
-        run = run_command([substitute(a, out, sys.executable) for a in cmd], workdir, env, out / log,
+        step_env = dict(env)
+        for key, value in (job.step_env[i] if i < len(job.step_env) else {}).items():
+            if value is None:
+                step_env.pop(key, None)
+            else:
+                step_env[key] = substitute(value, out, sys.executable)
+        run = run_command([substitute(a, out, sys.executable) for a in cmd], workdir, step_env, out / log,
                           job.timeout_s, on_start=job.on_start, cancel=cancel)
         result.steps.append(StepResult(run.exit_code, run.timed_out, run.wall_s, out / log))
         if run.interrupted:

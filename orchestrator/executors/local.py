@@ -67,6 +67,10 @@ class LocalHandle(Handle):
     def done(self) -> bool:
         return not self._thread.is_alive()
 
+    def wait(self, timeout: float) -> bool:
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     def result(self, timeout: float | None = None) -> JobResult:
         self._thread.join(timeout)
         if self._thread.is_alive():

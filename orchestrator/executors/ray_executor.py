@@ -51,7 +51,7 @@ def _node_job(spec: dict, files: dict[str, bytes], inputs: dict[str, bytes]) -> 
             if check.exit_code != 0:
                 run_command([sys.executable, "prepare.py"], src, env, out / "prepare.log", PREPARE_TIMEOUT_S)
         job = Job(steps=spec["steps"], logs=spec["logs"], env=env, timeout_s=spec["timeout_s"],
-                  workdir=src, out_dir=out, watch=tuple(spec["watch"]))
+                  workdir=src, out_dir=out, watch=tuple(spec["watch"]), step_env=spec["step_env"])
         result = run_steps(job, src, out, {})
         return {"steps": [(s.exit_code, s.timed_out, s.wall_s, s.log.name) for s in result.steps],
                 "modified": result.modified, "ages": result.ages, "device": result.device, "node": result.node,
@@ -75,7 +75,10 @@ class RayHandle(Handle):
         self._result: JobResult | None = None
 
     def done(self) -> bool:
-        ready, _ = self._ray.wait([self._ref], timeout=0)
+        return self.wait(0)
+
+    def wait(self, timeout: float) -> bool:
+        ready, _ = self._ray.wait([self._ref], timeout=timeout)
         return bool(ready)
 
     def result(self, timeout: float | None = None) -> JobResult:
@@ -143,7 +146,7 @@ class RayExecutor(Executor):
         env = {k: v for k, v in job.env.items() if k.startswith("AUTOLOOP_") or k in SHIPPED_ENV}
         env.update({k: v for k, v in slot.env.items() if k != "CUDA_VISIBLE_DEVICES"})
         spec = {"steps": job.steps, "logs": job.logs, "env": env, "timeout_s": job.timeout_s,
-                "watch": list(job.watch), "prepare": self.prepare}
+                "watch": list(job.watch), "step_env": job.step_env, "prepare": self.prepare}
         inputs = {name: Path(path).read_bytes() for name, path in job.inputs.items()}
         options = {"num_gpus": self.gpus_per_task, "num_cpus": 1}
         ref = self._task.options(**options).remote(spec, tracked_files(job.workdir), inputs)
