@@ -137,7 +137,7 @@ class Session:
 
     def track_pid(self, slot: int, pid: int, created: float) -> None:
         self.pids[str(slot)] = [pid, created]
-        write_status(self.paths, train_pid=pid, train_started=created, train_pids=self.pids)
+        write_status(self.paths, train_pid=pid, train_started=created, train_pids=dict(self.pids))
 
     def open_executor(self) -> Executor:
         s = self.settings

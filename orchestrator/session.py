@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,11 +112,15 @@ def is_locked(path: Path) -> bool:
         os.close(fd)
 
 
+_STATUS_LOCK = threading.Lock()
+
+
 def write_status(paths: Paths, **fields) -> None:
     """Record where the loop stands (phase, experiment, pids) for `autoloop status` and for resume."""
-    data = read_status(paths)
-    data.update(fields, updated=time.time())
-    write_json_atomic(paths.status, data)
+    with _STATUS_LOCK:  # executor threads report pids while the loop writes its phase
+        data = read_status(paths)
+        data.update(fields, updated=time.time())
+        write_json_atomic(paths.status, data)
 
 
 def read_status(paths: Paths) -> dict:
