@@ -1,10 +1,13 @@
 """Measure the controller's own cost: overhead per experiment and duty cycle of the training slot.
 
 A fake train.py sleeps for the budget and prints the summary block, so everything else is the loop's doing.
---propose-seconds makes the proposer as slow as an LLM; compare --pipeline with --no-pipeline.
+--propose-seconds makes the proposer as slow as an LLM; compare --pipeline with --no-pipeline. --workers N
+also runs N slots at once (CPU slots, generations) for N times as many experiments, and compares experiments
+per hour with N times the single slot's.
 
     python benchmarks/loop_overhead.py --budget 30 --experiments 6
     python benchmarks/loop_overhead.py --budget 30 --experiments 6 --propose-seconds 20 --no-pipeline
+    python benchmarks/loop_overhead.py --budget 10 --experiments 6 --workers 4
 """
 
 from __future__ import annotations
@@ -57,15 +60,8 @@ print("mfu_percent:      0.00")
 '''
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--budget", type=float, default=30.0, help="training seconds per experiment")
-    ap.add_argument("--experiments", type=int, default=6)
-    ap.add_argument("--propose-seconds", type=float, default=0.0, help="seconds the proposer takes per idea")
-    ap.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=True,
-                    help="prepare the next idea while one trains (matters with --propose-seconds)")
-    args = ap.parse_args()
-    os.environ["AUTOLOOP_BENCH_PROPOSE_S"] = str(args.propose_seconds)
+def session(args, workers: int, experiments: int) -> tuple[float, list]:
+    """One session on a fresh repo holding the fake train.py; (wall seconds, run records)."""
     with tempfile.TemporaryDirectory() as tmp:
         repo = Path(tmp) / "repo"
         repo.mkdir()
@@ -73,12 +69,27 @@ def main() -> None:
         for cmd in (["git", "init", "-q"], ["git", "add", "-A"],
                     ["git", "-c", "user.name=b", "-c", "user.email=b@b", "commit", "-qm", "init"]):
             subprocess.run(cmd, cwd=repo, check=True)
-        settings = Settings(repo=repo, tag="bench", budget=args.budget, max_experiments=args.experiments,
-                            proposer="__main__:SlowProposer", pipeline=args.pipeline, baseline_repeats=0)
+        settings = Settings(repo=repo, tag="bench", budget=args.budget, max_experiments=experiments,
+                            proposer="__main__:SlowProposer", pipeline=args.pipeline, baseline_repeats=0,
+                            workers=workers, gpus=[])
         t0 = time.monotonic()
         run_loop(settings, echo=lambda line: None)
         wall = time.monotonic() - t0
-        records = [read_record(Paths(repo, "bench").run_dir(n)) for n in range(1, args.experiments + 1)]
+        return wall, [read_record(Paths(repo, "bench").run_dir(n)) for n in range(1, experiments + 1)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--budget", type=float, default=30.0, help="training seconds per experiment")
+    ap.add_argument("--experiments", type=int, default=6)
+    ap.add_argument("--propose-seconds", type=float, default=0.0, help="seconds the proposer takes per idea")
+    ap.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=True,
+                    help="prepare the next idea while one trains (matters with --propose-seconds)")
+    ap.add_argument("--workers", type=int, default=1,
+                    help="also run this many slots at once (workers x experiments) and compare throughput")
+    args = ap.parse_args()
+    os.environ["AUTOLOOP_BENCH_PROPOSE_S"] = str(args.propose_seconds)
+    wall, records = session(args, 1, args.experiments)
     train = [r.timings.get("train", 0.0) for r in records]
     waited = [r.timings.get("propose_wait", 0.0) for r in records]
     per_exp = [(r.ended - r.started) - r.timings.get("train", 0.0) - r.timings.get("propose_wait", 0.0)
@@ -91,6 +102,18 @@ def main() -> None:
     print(f"controller overhead / exp:    {overhead:.3f}s (session wall - training - waiting for ideas) / experiments")
     print(f"  within an experiment:       median {statistics.median(per_exp):.3f}s, max {max(per_exp):.3f}s")
     print(f"duty cycle:                   {100 * sum(train) / wall:.2f}% of wall time with a training process")
+    single = 3600 * len(records) / wall
+    print(f"experiments per hour:         {single:.1f} (1 slot)")
+    if args.workers > 1:
+        n = args.workers * args.experiments
+        wall_n, records_n = session(args, args.workers, n)
+        busy = sum(r.timings.get("train", 0.0) for r in records_n)
+        parallel = 3600 * n / wall_n
+        print(f"{args.workers} slots:                      {n} experiments in {wall_n:.2f}s, "
+              f"slot duty cycle {100 * busy / (args.workers * wall_n):.2f}%")
+        print(f"experiments per hour:         {parallel:.1f} ({args.workers} slots) = "
+              f"{parallel / single:.2f}x the single slot ({100 * parallel / (args.workers * single):.1f}% of "
+              f"{args.workers}x; target >= 90%)")
 
 
 if __name__ == "__main__":

@@ -8,23 +8,8 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 EVAL_TOLERANCE = 0.005  # relative: train.py's own number and the harness's may differ only by kernel noise
-
-
-def harness_evaluate(workdir: Path, env: dict[str, str], artifact: Path, split: str = "val",
-                     timeout: float = 600.0) -> tuple[float | None, str]:
-    """(bits per byte, '') from `python prepare.py --evaluate`, or (None, why it failed)."""
-    env = {k: v for k, v in env.items() if k != "AUTOLOOP_EVAL_ARTIFACT"}
-    try:
-        proc = subprocess.run([sys.executable, "prepare.py", "--evaluate", str(artifact), "--split", split],
-                              cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return None, f"the harness evaluation timed out after {timeout:.0f}s"
-    return parse_evaluation(proc.stdout + "\n" + proc.stderr, split, f"exit {proc.returncode}")
 
 
 def parse_evaluation(output: str, split: str = "val", failed: str = "no output") -> tuple[float | None, str]:

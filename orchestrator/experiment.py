@@ -162,7 +162,7 @@ def stage(session: Session, wt: git.Repo, record: Record, prepared: Prepared, re
     t = time.monotonic()
     record.commit = gitops.commit_all(wt, f"autoloop {session.settings.tag} #{record.n}: {record.description}")
     gitops.mark_tried(session.repo, session.settings.tag, record.n, record.commit)
-    (session.paths.run_dir(record.n) / "diff.patch").write_text(gitops.diff(wt, prepared.base, record.commit))
+    (session.paths.run_dir(record.n) / "diff.patch").write_text(gitops.diff(wt, record.parent, record.commit))
     record.timings["git"] = time.monotonic() - t
     return reason
 

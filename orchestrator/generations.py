@@ -326,7 +326,7 @@ def run_generations(session: Session, proposer: Proposer, state: State, stop_rea
         limit = None if s.max_experiments is None else s.max_experiments - state.done
         slots = len(session.executor.slots) if limit is None else min(len(session.executor.slots), limit)
         write_status(session.paths, phase="proposing", n=state.done + 1, experiment_started=time.time(),
-                     description="", tag=s.tag, budget=s.budget, generation=index)
+                     description="", tag=s.tag, budget=s.budget, generation=index, running=[])
         planned = plan(session, proposer, state, slots)
         if not planned:
             return "the proposer has no more ideas"

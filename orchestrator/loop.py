@@ -18,9 +18,9 @@ from typing import Callable
 import psutil
 
 from . import LoopError, gitops, harness
-from .evaluation import harness_evaluate
-from .executors import Executor, make_executor
-from .experiment import run_experiment
+from .evaluation import parse_evaluation
+from .executors import OUT, PYTHON, Executor, Job, make_executor
+from .experiment import MAX_INFRA_RETRIES, run_experiment
 from .generations import run_generations
 from .ledger import Record, ensure_header, read_record, read_rows, write_json_atomic
 from .noise import Gate, Sigma, pooled_sigma
@@ -289,6 +289,7 @@ def run_loop(settings: Settings, echo: Callable[[str], None] = print) -> State:
     session = Session(settings, echo)
     proposer_cls = load(settings.proposer)
     with Lock(session.paths.lock):
+        executor = session.open_executor()
         session.open()
         state = session.state = session.resume()
         proposer = proposer_cls(Context(repo=settings.repo, tag=settings.tag, seed=settings.seed,
@@ -296,7 +297,6 @@ def run_loop(settings: Settings, echo: Callable[[str], None] = print) -> State:
         session.pipeline = proposer.pipeline if settings.pipeline is None else settings.pipeline
         for record in state.records:
             proposer.observe(record)
-        executor = session.open_executor()
         parallel = len(executor.slots) > 1
         if parallel:
             session.pipeline = False  # a generation's ideas are all made before it starts
@@ -338,8 +338,9 @@ def run_loop(settings: Settings, echo: Callable[[str], None] = print) -> State:
             session.prefetch = None
             gitops.reset_to(session.wt, state.best_commit)
             write_status(session.paths, phase="stopped", train_pid=None, train_pids={}, running=[])
-            echo(f"autoloop: interrupted; experiment {state.done + 1} was not recorded. "
-                 "Run the same command to resume.")
+            unrecorded = "the runs of the current generation were" if parallel else \
+                f"experiment {state.done + 1} was"
+            echo(f"autoloop: interrupted; {unrecorded} not recorded. Run the same command to resume.")
             raise
         finally:
             signal.signal(signal.SIGTERM, previous)
@@ -362,12 +363,7 @@ def holdout_check(session: Session, state: State, echo: Callable[[str], None]) -
         artifact = session.paths.run_dir(n) / "model.pt"
         if not artifact.exists():
             return None
-        session.proposal_worktree(record.commit)
-        value, why = harness_evaluate(session.paths.proposal, session.env, artifact, split="holdout",
-                                      timeout=session.settings.hard_timeout)
-        if value is None:
-            echo(f"autoloop: held-out check skipped: {why}")
-            return None
+        value, why = evaluate_holdout(session, record.commit, artifact, session.paths.state / "holdout" / str(n))
         result[name] = {"n": n, "commit": record.commit, "holdout_bpb": value,
                         "val_bpb": state.groups[record.group or record.n][-1] if name == "best" else state.baseline_bpb}
     write_json_atomic(session.paths.state / "holdout.json", result)
@@ -375,6 +371,28 @@ def holdout_check(session: Session, state: State, echo: Callable[[str], None]) -
     echo(f"autoloop: held-out check: baseline {b['holdout_bpb']:.6f} -> best {w['holdout_bpb']:.6f} "
          f"({w['holdout_bpb'] - b['holdout_bpb']:+.6f}; on validation {w['val_bpb'] - b['val_bpb']:+.6f})")
     return result
+
+
+def evaluate_holdout(session: Session, commit: str, artifact: Path, out: Path) -> tuple[float | None, str]:
+    """The held-out bits per byte of a saved model, measured by prepare.py at `commit`, on the executor's first
+    slot (on a cluster the model travels to a GPU node; nothing is evaluated on the controller's CPU)."""
+    session.proposal_worktree(commit)
+    job = Job(steps=[[PYTHON, "prepare.py", "--evaluate", f"{OUT}/model.pt", "--split", "holdout"]],
+              logs=["eval.log"], env={k: v for k, v in session.env.items() if k != "AUTOLOOP_EVAL_ARTIFACT"},
+              timeout_s=session.settings.hard_timeout, workdir=session.paths.proposal, out_dir=out,
+              inputs={"model.pt": artifact})
+    for _ in range(MAX_INFRA_RETRIES + 1):
+        result = session.executor.submit(job, session.executor.slots[0]).result()
+        if not result.infra_error:
+            break
+    if result.infra_error or not result.steps:
+        return None, f"the executor failed: {result.infra_error}"
+    step = result.steps[0]
+    if step.timed_out:
+        return None, f"the harness evaluation timed out after {job.timeout_s:.0f}s"
+    value, why = parse_evaluation(step.log.read_text(errors="replace") if step.log.exists() else "", "holdout")
+    (out / "model.pt").unlink(missing_ok=True)  # a copy of the input
+    return value, why
 
 
 def console_header() -> str:

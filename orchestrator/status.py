@@ -35,9 +35,16 @@ def collect(repo: Path, tag: str | None) -> dict:
         "sigma": status.get("sigma"),
         "sigma_dof": status.get("sigma_dof"),
         "current": None,
+        "slots": [],
         "recent": [r.__dict__ for r in rows[-5:]],
     }
-    if running and status.get("n"):
+    if running and status.get("running"):  # parallel runs: one entry per busy slot
+        for item in status["running"]:
+            step = last_step(paths.run_dir(item["n"]) / "run.log")
+            info["slots"].append({"n": item["n"], "slot": item["slot"], "description": item["description"],
+                                  "elapsed_s": round(time.time() - item["started"], 1),
+                                  "step": step[0] if step else None, "loss": step[2] if step else None})
+    elif running and status.get("n"):
         step = last_step(paths.run_dir(status["n"]) / "run.log")
         info["current"] = {"n": status["n"], "phase": status.get("phase"), "description": status.get("description"),
                            "elapsed_s": round(time.time() - status.get("experiment_started", time.time()), 1),
@@ -63,6 +70,9 @@ def render(info: dict) -> str:
         progress = f", step {c['step']} loss {c['loss']:.4f}" if c.get("step") is not None else ""
         lines.append(f"current: #{c['n']} {c['phase']} {c['elapsed_s']:.0f}s elapsed (budget {c['budget_s']:g}s"
                      f"{progress}): {c['description'] or '(proposing)'}")
+    for c in info["slots"]:
+        progress = f", step {c['step']} loss {c['loss']:.4f}" if c.get("step") is not None else ""
+        lines.append(f"slot {c['slot']}: #{c['n']} {c['elapsed_s']:.0f}s elapsed{progress}: {c['description']}")
     if info["recent"]:
         lines.append("last results:")
         for r in info["recent"]:

@@ -12,7 +12,8 @@ from click.testing import CliRunner
 import fakes
 from conftest import ROOT, make_repo, subprocess_env
 from orchestrator.cli import main
-from orchestrator.ledger import read_rows
+from orchestrator.ledger import read_record, read_rows
+from orchestrator.session import Paths
 
 
 def autoloop(*args, env=None, timeout=300):
@@ -43,6 +44,17 @@ def test_bad_usage_exits_2_and_user_errors_exit_1(tmp_path):
     not_repo = autoloop("run", "--repo", str(tmp_path))
     assert not_repo.returncode == 1 and "not a git repository" in not_repo.stderr and "git init" in not_repo.stderr
     assert "Traceback" not in not_repo.stderr + bad.stderr
+    bad_gpus = autoloop("run", "--gpus", "0,x", "--repo", str(tmp_path))
+    assert bad_gpus.returncode == 2 and "0,1,2,3" in bad_gpus.stderr
+    ray_gpus = autoloop("run", "--executor", "ray", "--gpus", "0", "--repo", str(tmp_path))
+    assert ray_gpus.returncode == 2 and "--gpus is for the local executor" in ray_gpus.stderr
+
+
+def test_more_workers_than_gpus_is_a_clear_error(fake_repo):
+    repo = fake_repo(fakes.ok(1.0))
+    proc = autoloop("run", "--repo", str(repo), "--workers", "3", "--gpus", "0,1")
+    assert proc.returncode == 1 and "--workers 3 needs at least 3 GPUs" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (repo / "results.tsv").exists()
 
 
 def test_precedence_cli_over_env_over_pyproject(tmp_path):
@@ -99,6 +111,34 @@ def test_end_to_end_with_the_real_train_py(tiny_env, tmp_path):
         assert user.is_ancestor(user.commit(r.commit).hexsha, branch) == (r.status == "keep")
     summary = [line for line in proc.stdout.splitlines() if line.startswith("autoloop: stopped")]
     assert len(summary) == 1 and "3 experiments" in summary[0], proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_two_workers_with_the_real_train_py(tiny_env, tmp_path):
+    """`autoloop run --workers 2` on CPU slots (tiny profile): two real trainings at once, one worktree each."""
+    repo = tmp_path / "proj"
+    make_repo(repo, {name: (ROOT / name).read_text() for name in ("prepare.py", "train.py", ".gitignore")})
+    env = dict(tiny_env, **{k: v for k, v in subprocess_env().items() if k in ("PYTHONPATH", "AUTOLOOP_BASELINE_REPEATS")})
+    proc = autoloop("run", "--repo", str(repo), "--budget", "2", "--max-experiments", "4", "--tag", "w2",
+                    "--workers", "2", "--proposer", "perturb", env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "2 slot(s): cpu, cpu | generations of 2 runs" in proc.stdout
+    rows = read_rows(repo / "results.tsv")
+    assert [r.status for r in rows[:2]] == ["keep", "discard"] and len(rows) == 4
+    assert all(r.val_bpb > 0 for r in rows if r.status != "crash")
+    paths = Paths(repo, "w2")
+    records = [read_record(paths.run_dir(n)) for n in range(1, 5)]
+    for a, b in ((0, 1), (2, 3)):  # each generation's two runs overlapped in time, on different slots
+        ra, rb = records[a], records[b]
+        assert {ra.slot, rb.slot} == {0, 1}
+        start_a, start_b = ra.timings["submitted"], rb.timings["submitted"]
+        assert abs(start_a - start_b) < min(ra.timings["train"], rb.timings["train"])
+    assert all((paths.slot(i) / "train.py").exists() for i in (0, 1))
+    user = git.Repo(repo)
+    branch = user.heads["autoloop/w2"].commit.hexsha
+    for r in rows:
+        assert user.is_ancestor(user.commit(r.commit).hexsha, branch) == (r.status == "keep")
+    assert not user.is_dirty(untracked_files=True)
 
 
 def test_broken_plugin_is_reported_not_fatal(tmp_path):

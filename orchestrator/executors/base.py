@@ -12,6 +12,7 @@ again elsewhere and never records it as the idea's crash.
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import socket
 import subprocess
@@ -138,7 +139,11 @@ def run_steps(job: Job, workdir: Path, out: Path, slot_env: dict[str, str],
     for name, src in job.inputs.items():
         dest = out / name
         if Path(src).resolve() != dest.resolve():
-            shutil.copy2(src, dest)
+            dest.unlink(missing_ok=True)
+            try:
+                os.link(src, dest)  # same filesystem: no copy of a large model
+            except OSError:
+                shutil.copy2(src, dest)
     env = {k: substitute(v, out, sys.executable) for k, v in {**job.env, **slot_env}.items()}
     result = JobResult(device=gpu_name(env.get("CUDA_VISIBLE_DEVICES")), node=socket.gethostname())
     before = {name: sha256_of(workdir / name) for name in job.watch}
