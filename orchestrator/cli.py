@@ -25,9 +25,11 @@ PROPOSER_OPTIONS = ("program", "prompt_chars", "agent", "agent_cmd", "agent_time
 
 
 def check_gpus(ctx, param, value):
-    """'0,1,3' -> ['0', '1', '3']."""
+    """'0,1,3' -> ['0', '1', '3']; '' -> [] (no GPU: CPU slots)."""
     if value is None:
         return None
+    if not str(value).strip():
+        return []
     ids = [part.strip() for part in str(value).split(",") if part.strip()]
     if not ids or not all(part.isdigit() for part in ids) or len(set(ids)) != len(ids):
         raise click.BadParameter(f"{value!r} is not a list of distinct GPU ids such as 0,1,2,3")
@@ -133,7 +135,7 @@ def main() -> None:
 @click.option("--workers", type=click.IntRange(min=1), envvar="AUTOLOOP_WORKERS", show_envvar=True,
               help="Experiments at once (more than 1: generations, see README).  [default: one per GPU, else 1]")
 @click.option("--gpus", callback=check_gpus, envvar="AUTOLOOP_GPUS", show_envvar=True,
-              help="GPU ids for the local executor, e.g. 0,1,2,3.  [default: detected]")
+              help="GPU ids for the local executor, e.g. 0,1,2,3; '' for CPU slots.  [default: detected]")
 @click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
               envvar="AUTOLOOP_EXECUTOR", show_envvar=True,
               help="Where runs execute: local slots, or Ray tasks (pip install 'autoloop[ray]').")

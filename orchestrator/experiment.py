@@ -237,6 +237,8 @@ def measure(session: Session, record: Record, result: JobResult) -> str:
     crash reason or ''. The number that counts is the harness's, never the one train.py printed."""
     s = session.settings
     record.device = result.device
+    if not result.steps:
+        return "the run did not start"
     train_step = result.steps[0]
     record.timings["train"] = train_step.wall_s
     if len(result.steps) > 1:

@@ -100,8 +100,8 @@ class State:
         self.records.append(record)
         group = record.group or record.n
         decision = record.gate.get("decision", record.status)
-        if record.status != "crash" and record.val_bpb is not None:
-            self.groups.setdefault(group, []).append(record.val_bpb)
+        if record.status != "crash" and record.val_bpb is not None and not record.gate.get("selection"):
+            self.groups.setdefault(group, []).append(record.val_bpb)  # (a best-of-N pick is biased low)
         if decision == "keep":
             self.best_commit, self.best_group, self.best_run, self.pending = record.commit, group, record.n, None
         elif decision == "rerun":

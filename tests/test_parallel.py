@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
+import time
 
 import git
 import pytest
 
 import fakes
+from conftest import subprocess_env
 from orchestrator.ledger import read_record, read_rows
 from orchestrator.loop import Settings, run_loop
 from orchestrator.session import Paths
@@ -104,3 +108,23 @@ def test_resume_after_a_parallel_session(fake_repo, plan):
     rows = read_rows(repo / "results.tsv")
     assert [r.description for r in rows] == ["baseline", "baseline (slot 2)", "idea 1", "idea 2", "idea 3",
                                              "idea 4"]
+
+
+def test_status_shows_every_busy_slot(fake_repo, tmp_path):
+    repo = fake_repo(fakes.ok(1.0, sleep=4.0))
+    plan_path = fakes.write_plan(tmp_path / "plan.json", [])
+    env = subprocess_env(AUTOLOOP_TEST_PLAN=str(plan_path))
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "run", "--repo", str(repo), "--tag", "s",
+                             "--workers", "2", "--gpus", "", "--proposer", "fakes:Scripted", "--budget", "10",
+                             "--max-experiments", "2"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        deadline, shown = time.monotonic() + 60, ""
+        while time.monotonic() < deadline and not ("slot 0: #" in shown and "slot 1: #" in shown):
+            shown = subprocess.run([sys.executable, "-m", "orchestrator.cli", "status", "--repo", str(repo)],
+                                   env=env, capture_output=True, text=True).stdout
+            time.sleep(0.3)
+        assert "slot 0: #" in shown and "slot 1: #" in shown and "running" in shown, shown
+    finally:
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
