@@ -121,8 +121,10 @@ def plan(session: Session, proposer: Proposer, state: State, slots: int) -> list
         if prepared.exhausted:
             break
         seen.add(prepared.patch)
-        history.append(Record(n=0, status="running", description=prepared.description, parent=best,
-                              info=prepared.info))
+        # the next proposal of this generation sees this one as in flight (a commit it can read), not as untried
+        planned_commit = "" if prepared.reason else session.commit_proposal(f"autoloop planned: {prepared.description}")
+        history.append(Record(n=0, status="running", description=prepared.description, commit=planned_commit,
+                              parent=best, info=prepared.info))
         runs.append(Planned(prepared, "candidate"))
     return runs if any(p.kind == "candidate" for p in runs) else []
 
@@ -310,10 +312,12 @@ def _gate(verdict, candidate: list[float], parent: list[float], sigma: Sigma) ->
             "sigma": sigma.value, "sigma_dof": sigma.dof, "why": verdict.why}
 
 
-def record_generation(session: Session, state: State, runs: list[Run], statuses: dict[int, str]) -> None:
-    """Write every run of the generation in run-number order (record.json, row), then move the branch."""
+def record_generation(session: Session, state: State, runs: list[Run], statuses: dict[int, str],
+                      on_record: Callable[[Record], None]) -> None:
+    """Write every run of the generation in run-number order (record.json, row, branch), telling on_record."""
     for run in runs:
         finish(session, state, run.record, run.reason, statuses.get(run.record.n))
+        on_record(run.record)
 
 
 def run_generations(session: Session, proposer: Proposer, state: State, stop_reason: Callable[[], str],
@@ -334,9 +338,7 @@ def run_generations(session: Session, proposer: Proposer, state: State, stop_rea
         runs = run_generation(session, proposer, state, Generation(index), planned, limit)
         session.progress.clear()
         statuses = decide(session, state, runs)
-        record_generation(session, state, runs, statuses)
-        for run in runs:
-            on_record(run.record)
+        record_generation(session, state, runs, statuses, on_record)
         if first_generation and not state.best_group:
             first = runs[0].record
             raise LoopError(f"the unmodified baseline crashed on every slot ({first.reason}); fix train.py or the "

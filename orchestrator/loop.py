@@ -154,6 +154,10 @@ class Session:
         gitops.checkout_clean(self._proposal_wt, base)
         return self._proposal_wt
 
+    def commit_proposal(self, message: str) -> str:
+        """Commit what the last proposal left in the proposal worktree (detached; nothing points at it)."""
+        return gitops.commit_all(self._proposal_wt, message)
+
     @property
     def profile(self) -> str | None:
         return self.info.profile if self.info and self.info.profile else self.settings.profile
@@ -404,6 +408,8 @@ def console_line(record: Record, state: State) -> str:
     best = f"{state.best_bpb:.6f}" if state.best_bpb is not None else "-"
     mem = float(record.metrics.get("peak_vram_mb", 0.0) or 0.0) / 1024
     desc = record.description + (f"  [{record.reason}]" if record.reason else "")
+    if record.gate.get("note"):
+        desc += f"  [{record.gate['note']}]"
     return f"{record.n:>4}  {record.commit[:7]:7}  {bpb:>9}  {best:>9}  {mem:>6.1f}  {record.status:7}  {desc}"
 
 
