@@ -96,15 +96,24 @@ def next_idea(session: Session, proposer: Proposer, state: State, n: int) -> tup
     t = time.monotonic()
     prepared = session.prefetch.result() if session.prefetch is not None else None
     session.prefetch = None
-    if prepared is not None and prepared.base != best and not prepared.exhausted:
-        if prepared.reason or gitops.carry_over(session.wt, prepared.patch, prepared.patch_u0):
-            prepared = None  # made for an older best and does not carry over: ask again
-        else:
-            prepared.patch = gitops.diff_all(session.wt, best)
-            gitops.reset_to(session.wt, best)
+    if prepared is not None:
+        prepared = carry(session, prepared, best)
     if prepared is None:
         prepared = make_proposal(session, proposer, best, list(state.records))
     return prepared, time.monotonic() - t
+
+
+def carry(session: Session, prepared: Prepared, best: str) -> Prepared | None:
+    """An idea made on an older best, re-applied on `best` (three-way); None if it does not carry over (or
+    had failed: ask again). Uses the branch worktree, which stands at `best`."""
+    if prepared.base == best or prepared.exhausted:
+        return prepared
+    if prepared.reason or gitops.carry_over(session.wt, prepared.patch, prepared.patch_u0):
+        return None
+    prepared.patch = gitops.diff_all(session.wt, best)
+    prepared.base = best
+    gitops.reset_to(session.wt, best)
+    return prepared
 
 
 def start_prefetch(session: Session, proposer: Proposer, state: State, running: Record) -> None:

@@ -9,6 +9,7 @@ Each generation starts N runs at once on identical slots, all from the current b
   is biased low (the winner's curse), so the branch advances only if the confirmation runs alone, judged
   like any candidate, beat the parent too; the selection run never counts in the parent's mean afterwards.
 
+With pipelining, the next generation's ideas are made while this one trains (start_prefetch).
 A slot whose run crashes early (or never started: the idea did not apply) runs the parent again, to refine σ
 and the parent's mean. Results are only compared between runs on the same device type. Every run is recorded,
 in run-number order, when its generation ends.
@@ -24,10 +25,11 @@ from typing import TYPE_CHECKING, Callable
 
 from . import LoopError, gitops
 from .executors import Handle, Slot, wait_any
-from .experiment import PROGRESS_TICK_S, build_job, finish, infra_retry, measure, repeat_patch, stage, submit
+from .experiment import (PROGRESS_TICK_S, build_job, carry, finish, infra_retry, measure, repeat_patch, stage,
+                         submit)
 from .ledger import Record
 from .noise import Sigma, judge, pooled_sigma, significant_lines
-from .pipeline import Prepared, make_proposal
+from .pipeline import Prefetch, Prepared, make_proposal
 from .proposers import Proposer
 from .session import write_status
 
@@ -110,23 +112,53 @@ def plan(session: Session, proposer: Proposer, state: State, slots: int) -> list
     wanted = 1 + session.settings.baseline_repeats
     have = len(device_runs(state, state.best_group, None))
     runs += [parent_run(state, "measuring σ") for _ in range(min(slots - 1, max(0, wanted - have)))]
-    history = list(state.records)
-    seen: set[str] = set()
-    while len(runs) < slots:
-        prepared = None
-        for _ in range(MAX_DUPLICATE_ASKS):
-            prepared = make_proposal(session, proposer, best, history)
+    ideas: list[Prepared] = []
+    prefetched = session.prefetch.result() if session.prefetch is not None else []
+    session.prefetch = None
+    for prepared in prefetched:  # made while the last generation trained, maybe on an older best
+        if len(runs) + len(ideas) < slots and (prepared := carry(session, prepared, best)) is not None:
+            ideas.append(prepared)
+    ideas += candidates(session, proposer, best, state.records, slots - len(runs) - len(ideas), ideas)
+    runs += [Planned(prepared, "candidate") for prepared in ideas]
+    return runs if ideas else []
+
+
+def candidates(session: Session, proposer: Proposer, best: str, records: list[Record], count: int,
+               earlier: list[Prepared] = ()) -> list[Prepared]:
+    """Up to `count` distinct ideas on `best` (fewer when the proposer runs dry). Each one sees the ideas made
+    before it (`earlier` too) as experiments in flight, with a commit the proposer can read."""
+    out: list[Prepared] = []
+    history = [*records, *(in_flight(p) for p in earlier)]
+    seen = {p.patch for p in earlier}
+    while len(out) < count:
+        prepared = make_proposal(session, proposer, best, history)
+        for _ in range(MAX_DUPLICATE_ASKS - 1):
             if prepared.exhausted or prepared.reason or prepared.patch not in seen:
                 break
+            prepared = make_proposal(session, proposer, best, history)
         if prepared.exhausted:
             break
+        if not prepared.reason:
+            prepared.planned = session.commit_proposal(f"autoloop planned: {prepared.description}")
         seen.add(prepared.patch)
-        # the next proposal of this generation sees this one as in flight (a commit it can read), not as untried
-        planned_commit = "" if prepared.reason else session.commit_proposal(f"autoloop planned: {prepared.description}")
-        history.append(Record(n=0, status="running", description=prepared.description, commit=planned_commit,
-                              parent=best, info=prepared.info))
-        runs.append(Planned(prepared, "candidate"))
-    return runs if any(p.kind == "candidate" for p in runs) else []
+        history.append(in_flight(prepared))
+        out.append(prepared)
+    return out
+
+
+def in_flight(prepared: Prepared) -> Record:
+    return Record(n=0, status="running", description=prepared.description, commit=prepared.planned,
+                  parent=prepared.base, info=prepared.info)
+
+
+def start_prefetch(session: Session, proposer: Proposer, state: State, gen: Generation, count: int) -> None:
+    """Make the next generation's ideas while this one trains (LLM and agent proposers are slow), on the
+    current best; they are carried over to a new best, or asked again, when that generation is planned."""
+    best = state.best_commit
+    records = [*state.records, *(Record(n=r.record.n, status="running", description=r.record.description,
+                                        commit=r.record.commit, parent=r.record.parent, info=r.record.info,
+                                        group=r.record.group) for r in gen.runs)]
+    session.prefetch = Prefetch(lambda: candidates(session, proposer, best, records, count))
 
 
 def _repeat_info(first: Record) -> dict:
@@ -146,6 +178,8 @@ def start(session: Session, state: State, gen: Generation, planned: Planned, slo
                     proposer=proposer_name, started=time.time(), best_before=state.best_bpb,
                     info=dict(prepared.info), group=prepared.group or n, slot=slot.index)
     record.timings["propose"] = prepared.seconds
+    if prepared.ready:
+        record.timings["idea_waited"] = record.started - prepared.ready  # long when made while others trained
     run_dir = session.paths.run_dir(n)
     run_dir.mkdir(parents=True, exist_ok=True)
     if prepared.log:
@@ -174,6 +208,9 @@ def run_generation(session: Session, proposer: Proposer, state: State, gen: Gene
         next_n += 1
     free += [r.slot for r in gen.runs if r.done]
     free += slots[len(planned):]
+    remaining = None if limit is None else limit - len(planned)
+    if session.pipeline and session.prefetch is None and (remaining is None or remaining > 0):
+        start_prefetch(session, proposer, state, gen, len(slots))
     try:
         while True:
             for run in gen.runs:
@@ -337,6 +374,8 @@ def run_generations(session: Session, proposer: Proposer, state: State, stop_rea
         first_generation = not state.best_group
         runs = run_generation(session, proposer, state, Generation(index), planned, limit)
         session.progress.clear()
+        if session.prefetch is not None:
+            session.prefetch.result()  # observe() never runs while propose() does
         statuses = decide(session, state, runs)
         record_generation(session, state, runs, statuses, on_record)
         if first_generation and not state.best_group:

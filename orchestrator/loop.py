@@ -302,8 +302,6 @@ def run_loop(settings: Settings, echo: Callable[[str], None] = print) -> State:
         for record in state.records:
             proposer.observe(record)
         parallel = len(executor.slots) > 1
-        if parallel:
-            session.pipeline = False  # a generation's ideas are all made before it starts
         echo(f"autoloop: tag {settings.tag} | branch autoloop/{settings.tag} | budget {settings.budget:g}s | "
              f"timeout {settings.hard_timeout:.0f}s | proposer {settings.proposer}"
              f"{' (pipelined)' if session.pipeline else ''} | {state.done} experiment(s) already recorded")

@@ -31,6 +31,8 @@ class Prepared:
     seconds: float = 0.0
     exhausted: bool = False  # the proposer has no more ideas
     group: int | None = None  # set for a repeat run of an earlier candidate (or of the baseline)
+    planned: str = ""  # a commit of the idea in the proposal worktree (ideas of one generation see each other)
+    ready: float = 0.0  # wall-clock time the idea was ready
 
 
 def make_proposal(session, proposer: Proposer, base: str, history: list[Record]) -> Prepared:
@@ -57,14 +59,16 @@ def make_proposal(session, proposer: Proposer, base: str, history: list[Record])
         prepared.patch = gitops.diff_all(wt, base)
         prepared.patch_u0 = gitops.diff_all(wt, base, context=0)
     prepared.seconds = time.monotonic() - t0
+    prepared.ready = time.time()
     return prepared
 
 
 class Prefetch:
-    """Runs one make_proposal in a daemon thread (a hung LLM call must not block the controller's exit)."""
+    """Runs make_proposal (once, or for a generation's ideas) in a daemon thread (a hung LLM call must not
+    block the controller's exit)."""
 
-    def __init__(self, fn: Callable[[], Prepared]):
-        self._value: Prepared | None = None
+    def __init__(self, fn: Callable[[], object]):
+        self._value = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True, name="autoloop-prefetch")
         self._thread.start()
@@ -75,8 +79,8 @@ class Prefetch:
         except BaseException as e:  # handed to the main thread by result()
             self._error = e
 
-    def result(self) -> Prepared:
-        """Wait for the idea (repeatable: later calls return the same one)."""
+    def result(self):
+        """Wait for the idea(s) (repeatable: later calls return the same)."""
         while self._thread.is_alive():
             self._thread.join(0.2)  # short joins keep Ctrl-C responsive
         if self._error is not None:
