@@ -11,6 +11,7 @@ the worker dies, the job comes back with `infra_error` set and the controller ru
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import sys
@@ -132,6 +133,7 @@ class RayExecutor(Executor):
             # Ship this controller's own orchestrator package, so every node runs the same runner.
             package = str(Path(__file__).resolve().parents[1])
             kwargs.setdefault("runtime_env", {"py_modules": [package]})
+            kwargs.setdefault("logging_level", logging.WARNING)
             ray.init(log_to_driver=False, **kwargs)
         resources = ray.cluster_resources()
         gpus = int(resources.get("GPU", 0))
