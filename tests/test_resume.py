@@ -117,3 +117,53 @@ def test_second_run_on_same_tag_refuses_while_first_alive(fake_repo, tmp_path):
     assert [r.description for r in read_rows(repo / "results.tsv")] == ["baseline"]  # the killed run left no row
     wt = git.Repo(Paths(repo, "k").worktree)
     assert not wt.is_dirty(untracked_files=True)
+
+
+@pytest.mark.timeout(180)
+def test_sigkill_with_two_slots_training_then_resume(fake_repo, tmp_path):
+    """Both slots' runs are orphaned by a SIGKILLed controller: the restart ends them and redoes the generation."""
+    repo = fake_repo(fakes.ok(1.0))
+    plan_path = fakes.write_plan(tmp_path / "plan.json", [
+        {"description": "slow a", "train": fakes.ok(0.95, sleep=60.0)},
+        {"description": "slow b", "train": fakes.ok(0.97, sleep=60.0)},
+    ])
+    first = start(repo, plan_path, "--workers", "2", "--gpus", "")
+    wait_for(lambda: len(status(repo).get("train_pids") or {}) == 2 and status(repo).get("generation") == 2)
+    orphans = [pid for pid, _ in status(repo)["train_pids"].values()]
+    first.kill()
+    first.communicate(timeout=30)
+    assert all(psutil.pid_exists(pid) for pid in orphans)  # nobody killed them yet
+    fast = fakes.write_plan(tmp_path / "plan.json", [{"description": "slow a", "train": fakes.ok(0.95)},
+                                                     {"description": "slow b", "train": fakes.ok(0.97)}])
+    second = start(repo, fast, "--workers", "2", "--gpus", "", "--max-experiments", "4")
+    out, _ = second.communicate(timeout=120)
+    assert second.returncode == 0, out
+    for pid in orphans:
+        try:
+            assert psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            pass
+    rows = read_rows(repo / "results.tsv")
+    assert [r.description.split(" [")[0] for r in rows] == ["baseline", "baseline (slot 2)", "slow a", "slow b"]
+    assert (repo / ".autoloop" / "k" / "incomplete").is_dir()  # the killed runs' directories were kept aside
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_with_two_slots_stops_both_runs(fake_repo, tmp_path):
+    repo = fake_repo(fakes.ok(1.0))
+    plan_path = fakes.write_plan(tmp_path / "plan.json", [
+        {"description": "slow a", "train": fakes.ok(0.95, sleep=60.0)},
+        {"description": "slow b", "train": fakes.ok(0.97, sleep=60.0)},
+    ])
+    proc = start(repo, plan_path, "--workers", "2", "--gpus", "")
+    wait_for(lambda: len(status(repo).get("train_pids") or {}) == 2 and status(repo).get("generation") == 2)
+    running = [pid for pid, _ in status(repo)["train_pids"].values()]
+    t = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "the runs of the current generation were not recorded" in out, out
+    assert time.monotonic() - t < 30
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+                   for pid in running)
+    assert [r.description for r in read_rows(repo / "results.tsv")] == ["baseline", "baseline (slot 2)"]
+    assert not git.Repo(Paths(repo, "k").worktree).is_dirty(untracked_files=True)

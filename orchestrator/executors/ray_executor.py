@@ -141,6 +141,10 @@ class RayExecutor(Executor):
         if workers is None:
             workers = gpus if gpus else max(1, int(resources.get("CPU", 1)))
         self.slots = [Slot(i, {}, "ray") for i in range(workers)]
+        # each run gets its GPU's share of its node's cores (data loading, OMP threads), at least one
+        gpu_nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive") and n["Resources"].get("GPU")]
+        self.cpus_per_task = max(1, min((int(r.get("CPU", 1) // r["GPU"]) for r in gpu_nodes), default=1)) \
+            if self.gpus_per_task else 1
         self.prepare = prepare
         self._task = ray.remote(max_retries=0)(_node_job)
 
@@ -150,7 +154,7 @@ class RayExecutor(Executor):
         spec = {"steps": job.steps, "logs": job.logs, "env": env, "timeout_s": job.timeout_s,
                 "watch": list(job.watch), "step_env": job.step_env, "prepare": self.prepare}
         inputs = {name: Path(path).read_bytes() for name, path in job.inputs.items()}
-        options = {"num_gpus": self.gpus_per_task, "num_cpus": 1}
+        options = {"num_gpus": self.gpus_per_task, "num_cpus": self.cpus_per_task}
         ref = self._task.options(**options).remote(spec, tracked_files(job.workdir), inputs)
         return RayHandle(self.ray, ref, job, slot)
 
