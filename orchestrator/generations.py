@@ -170,8 +170,7 @@ def _repeat_info(first: Record) -> dict:
 # ---------------------------------------------------------------------------
 
 
-def start(session: Session, state: State, gen: Generation, planned: Planned, slot: Slot, n: int,
-          proposer_name: str) -> Run:
+def start(session: Session, state: State, planned: Planned, slot: Slot, n: int, proposer_name: str) -> Run:
     """Stage the run in its slot's worktree and submit it; a run whose idea may not run is done at once."""
     prepared = planned.prepared
     record = Record(n=n, status="crash", description=prepared.description, parent=prepared.base,
@@ -202,16 +201,14 @@ def run_generation(session: Session, proposer: Proposer, state: State, gen: Gene
     """Start every planned run, refill slots freed early with parent runs, wait for all; runs by number."""
     slots = list(session.executor.slots)
     next_n = state.done + 1
-    free: list[Slot] = []
-    for item, slot in zip(planned, slots):
-        gen.runs.append(start(session, state, gen, item, slot, next_n, proposer.name))
-        next_n += 1
-    free += [r.slot for r in gen.runs if r.done]
-    free += slots[len(planned):]
-    remaining = None if limit is None else limit - len(planned)
-    if session.pipeline and session.prefetch is None and (remaining is None or remaining > 0):
-        start_prefetch(session, proposer, state, gen, len(slots))
     try:
+        for item, slot in zip(planned, slots):
+            gen.runs.append(start(session, state, item, slot, next_n, proposer.name))
+            next_n += 1
+        free = [r.slot for r in gen.runs if r.done] + slots[len(planned):]
+        remaining = None if limit is None else limit - len(planned)
+        if session.pipeline and session.prefetch is None and (remaining is None or remaining > 0):
+            start_prefetch(session, proposer, state, gen, len(slots))
         while True:
             for run in gen.runs:
                 if run.done or not run.handle.done():
@@ -226,8 +223,8 @@ def run_generation(session: Session, proposer: Proposer, state: State, gen: Gene
                     free.append(run.slot)
             young = time.monotonic() - gen.started < REFILL_BEFORE * session.settings.budget
             while free and young and state.best_group and (limit is None or next_n - state.done <= limit):
-                gen.runs.append(start(session, state, gen, parent_run(state, "slot freed early"), free.pop(0),
-                                      next_n, proposer.name))
+                gen.runs.append(start(session, state, parent_run(state, "slot freed early"), free.pop(0), next_n,
+                                      proposer.name))
                 next_n += 1
                 free += [r.slot for r in gen.runs[-1:] if r.done]
             if all(r.done for r in gen.runs):
