@@ -320,9 +320,9 @@ def decide(session: Session, state: State, runs: list[Run]) -> dict[int, str]:
             run.record.gate = {"decision": "confirming", "runs": 1, "note": "confirmation run"}
             statuses[run.record.n] = "discard"
         if good:
-            values = [r.record.val_bpb for r in good]
-            found = verdict_for(values, good[-1].record)
             final = good[-1]
+            values = [r.record.val_bpb for r in good if r.record.device == final.record.device]
+            found = verdict_for(values, final.record)
             if found is None:
                 final.record.gate.update(decision="discard", note="not confirmed: no parent run on this device")
             else:
