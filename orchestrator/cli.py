@@ -138,7 +138,7 @@ def main() -> None:
               help="GPU ids for the local executor, e.g. 0,1,2,3; '' for CPU slots.  [default: detected]")
 @click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
               envvar="AUTOLOOP_EXECUTOR", show_envvar=True,
-              help="Where runs execute: local slots, or Ray tasks (pip install 'autoloop[ray]').")
+              help="Where runs execute: local slots, or Ray tasks (needs the ray extra).")
 @click.option("--ray-address", envvar="AUTOLOOP_RAY_ADDRESS", show_envvar=True,
               help="Ray cluster to join, e.g. ray://head:10001 or auto.  [default: RAY_ADDRESS, else a local Ray]")
 @click.option("--pipeline/--no-pipeline", default=None, envvar="AUTOLOOP_PIPELINE", show_envvar=True,

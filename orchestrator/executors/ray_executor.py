@@ -29,7 +29,7 @@ def _import_ray():
     try:
         import ray
     except ImportError:
-        raise ImportError("the ray executor needs Ray: pip install 'autoloop[ray]' (or pip install ray)") from None
+        raise ImportError("the ray executor needs Ray: pip install -e '.[ray]' in the autoloop clone (or pip install ray)") from None
     return ray
 
 
