@@ -156,3 +156,13 @@ def test_broken_plugin_is_reported_not_fatal(tmp_path):
     run = autoloop("run", "--repo", str(repo), "--proposer", "broken", env=env)
     assert run.returncode == 1 and "proposer 'broken' failed to load" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_ray_executor_without_ray_says_how_to_install(fake_repo, tmp_path):
+    blocker = tmp_path / "no_ray"
+    (blocker / "ray").mkdir(parents=True)
+    (blocker / "ray" / "__init__.py").write_text("raise ImportError('No module named ray')\n")
+    env = subprocess_env()
+    env["PYTHONPATH"] = f"{blocker}:{env['PYTHONPATH']}"
+    proc = autoloop("run", "--repo", str(fake_repo(fakes.ok(1.0))), "--executor", "ray", env=env)
+    assert proc.returncode == 1 and "pip install -e '.[ray]'" in proc.stderr and "Traceback" not in proc.stderr
