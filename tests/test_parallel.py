@@ -131,8 +131,8 @@ def test_status_shows_every_busy_slot(fake_repo, tmp_path):
 
 
 def test_pipelined_generations_make_the_next_ideas_while_one_trains(fake_repo, plan):
-    repo = fake_repo(timed(1.0, sleep=3.0))
-    plan([{"description": f"idea {i}", "train": timed(1.0 + i / 10, sleep=3.0), "sleep": 1.0} for i in range(1, 5)])
+    repo = fake_repo(timed(1.0, sleep=5.0))
+    plan([{"description": f"idea {i}", "train": timed(1.0 + i / 10, sleep=5.0), "sleep": 1.0} for i in range(1, 5)])
     run_loop(settings(repo, max_experiments=6, pipeline=True), echo=lambda _: None)
     paths = Paths(repo, "p")
     assert [r.description for r in read_rows(repo / "results.tsv")][2:] == ["idea 1", "idea 2", "idea 3", "idea 4"]
