@@ -69,9 +69,20 @@ def repeat_of(session: Session, state: State) -> Prepared | None:
     first = next(r for r in state.records if r.n == state.pending)
     k = sum(1 for r in state.records if (r.group or r.n) == state.pending) + 1
     patch = repeat_patch(session, first)
-    info = {key: v for key, v in first.info.items() if key not in ("queue_id", "usage", "infra_failures")}
+    info = repeat_info(first)
     return Prepared(base=best, description=f"{first.description} (repeat {k}/{session.settings.gate.max_repeats})",
                     patch=patch, group=state.pending, info={**info, "repeat": k})
+
+
+def repeat_info(first: Record) -> dict:
+    """What a repeat run inherits from the first run of its candidate (not its queue item, usage, failures)."""
+    return {key: v for key, v in first.info.items() if key not in ("queue_id", "usage", "infra_failures")}
+
+
+def as_running(record: Record) -> Record:
+    """How a proposer sees an experiment still in flight: its idea and commit, no result yet."""
+    return Record(n=record.n, status="running", description=record.description, commit=record.commit,
+                  parent=record.parent, info=record.info, group=record.group)
 
 
 def repeat_patch(session: Session, first: Record) -> str:
@@ -122,9 +133,7 @@ def start_prefetch(session: Session, proposer: Proposer, state: State, running: 
     if not session.pipeline or session.prefetch is not None or \
             (s.max_experiments is not None and running.n >= s.max_experiments):
         return
-    inflight = Record(n=running.n, status="running", description=running.description, commit=running.commit,
-                      parent=running.parent, info=running.info, group=running.group)
-    history, best = [*state.records, inflight], state.best_commit
+    history, best = [*state.records, as_running(running)], state.best_commit
     session.prefetch = Prefetch(lambda: make_proposal(session, proposer, best, history))
 
 

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Callable
 
 from . import LoopError, gitops
 from .executors import Handle, Slot, wait_any
-from .experiment import (PROGRESS_TICK_S, build_job, carry, finish, infra_retry, measure, repeat_patch, stage,
-                         submit)
+from .experiment import (PROGRESS_TICK_S, as_running, build_job, carry, finish, infra_retry, measure,
+                         repeat_info, repeat_patch, stage, submit)
 from .ledger import Record
 from .noise import Sigma, judge, pooled_sigma, significant_lines
 from .pipeline import Prefetch, Prepared, make_proposal
@@ -105,7 +105,7 @@ def plan(session: Session, proposer: Proposer, state: State, slots: int) -> list
         confirm = max(1, math.ceil(slots / 2))
         runs = [Planned(Prepared(base=best, description=f"{first.description} (confirmation {k + 1}/{confirm})",
                                  patch=patch, group=state.pending,
-                                 info={**_repeat_info(first), "confirm": k + 1}), "confirm")
+                                 info={**repeat_info(first), "confirm": k + 1}), "confirm")
                 for k in range(confirm)]
         return runs + [parent_run(state, "confirmation") for _ in range(slots - confirm)]
     runs: list[Planned] = []
@@ -155,14 +155,8 @@ def start_prefetch(session: Session, proposer: Proposer, state: State, gen: Gene
     """Make the next generation's ideas while this one trains (LLM and agent proposers are slow), on the
     current best; they are carried over to a new best, or asked again, when that generation is planned."""
     best = state.best_commit
-    records = [*state.records, *(Record(n=r.record.n, status="running", description=r.record.description,
-                                        commit=r.record.commit, parent=r.record.parent, info=r.record.info,
-                                        group=r.record.group) for r in gen.runs)]
+    records = [*state.records, *(as_running(r.record) for r in gen.runs)]
     session.prefetch = Prefetch(lambda: candidates(session, proposer, best, records, count))
-
-
-def _repeat_info(first: Record) -> dict:
-    return {key: v for key, v in first.info.items() if key not in ("queue_id", "usage", "infra_failures")}
 
 
 # ---------------------------------------------------------------------------

@@ -39,6 +39,19 @@ def fake_repo(tmp_path):
     return factory
 
 
+@pytest.fixture
+def plan(tmp_path, monkeypatch):
+    """Factory: write the fakes.Scripted proposer's plan and point AUTOLOOP_TEST_PLAN at it."""
+    import fakes
+
+    def write(steps):
+        path = fakes.write_plan(tmp_path / "plan.json", steps)
+        monkeypatch.setenv("AUTOLOOP_TEST_PLAN", str(path))
+        return path
+
+    return write
+
+
 @pytest.fixture(scope="session")
 def tiny_env(tmp_path_factory):
     """Environment with a prepared tiny-profile cache (the real prepare.py on the offline default data)."""

@@ -22,16 +22,6 @@ def settings(repo, **kw) -> Settings:
     return Settings(**base)
 
 
-@pytest.fixture
-def plan(tmp_path, monkeypatch):
-    def write(steps):
-        path = fakes.write_plan(tmp_path / "plan.json", steps)
-        monkeypatch.setenv("AUTOLOOP_TEST_PLAN", str(path))
-        return path
-
-    return write
-
-
 def quiet(_line: str) -> None:
     pass
 

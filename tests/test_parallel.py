@@ -28,16 +28,6 @@ def span(run_dir) -> tuple[float, float]:
     return (float(re.search(r"t_start (\S+)", text).group(1)), float(re.search(r"t_end (\S+)", text).group(1)))
 
 
-@pytest.fixture
-def plan(tmp_path, monkeypatch):
-    def write(steps):
-        path = fakes.write_plan(tmp_path / "plan.json", steps)
-        monkeypatch.setenv("AUTOLOOP_TEST_PLAN", str(path))
-        return path
-
-    return write
-
-
 def settings(repo, **kw) -> Settings:
     base = dict(repo=repo, tag="p", budget=10.0, timeout=30.0, proposer="fakes:Scripted", baseline_repeats=0,
                 workers=2, gpus=[])

@@ -119,17 +119,22 @@ def test_second_run_on_same_tag_refuses_while_first_alive(fake_repo, tmp_path):
     assert not wt.is_dirty(untracked_files=True)
 
 
-@pytest.mark.timeout(180)
-def test_sigkill_with_two_slots_training_then_resume(fake_repo, tmp_path):
-    """Both slots' runs are orphaned by a SIGKILLed controller: the restart ends them and redoes the generation."""
-    repo = fake_repo(fakes.ok(1.0))
+def start_two_slow_runs(repo, tmp_path):
+    """A two-slot loop whose second generation's runs both train for a minute: (process, their pids)."""
     plan_path = fakes.write_plan(tmp_path / "plan.json", [
         {"description": "slow a", "train": fakes.ok(0.95, sleep=60.0)},
         {"description": "slow b", "train": fakes.ok(0.97, sleep=60.0)},
     ])
-    first = start(repo, plan_path, "--workers", "2", "--gpus", "")
+    proc = start(repo, plan_path, "--workers", "2", "--gpus", "")
     wait_for(lambda: len(status(repo).get("train_pids") or {}) == 2 and status(repo).get("generation") == 2)
-    orphans = [pid for pid, _ in status(repo)["train_pids"].values()]
+    return proc, [pid for pid, _ in status(repo)["train_pids"].values()]
+
+
+@pytest.mark.timeout(180)
+def test_sigkill_with_two_slots_training_then_resume(fake_repo, tmp_path):
+    """Both slots' runs are orphaned by a SIGKILLed controller: the restart ends them and redoes the generation."""
+    repo = fake_repo(fakes.ok(1.0))
+    first, orphans = start_two_slow_runs(repo, tmp_path)
     first.kill()
     first.communicate(timeout=30)
     assert all(psutil.pid_exists(pid) for pid in orphans)  # nobody killed them yet
@@ -151,13 +156,7 @@ def test_sigkill_with_two_slots_training_then_resume(fake_repo, tmp_path):
 @pytest.mark.timeout(120)
 def test_ctrl_c_with_two_slots_stops_both_runs(fake_repo, tmp_path):
     repo = fake_repo(fakes.ok(1.0))
-    plan_path = fakes.write_plan(tmp_path / "plan.json", [
-        {"description": "slow a", "train": fakes.ok(0.95, sleep=60.0)},
-        {"description": "slow b", "train": fakes.ok(0.97, sleep=60.0)},
-    ])
-    proc = start(repo, plan_path, "--workers", "2", "--gpus", "")
-    wait_for(lambda: len(status(repo).get("train_pids") or {}) == 2 and status(repo).get("generation") == 2)
-    running = [pid for pid, _ in status(repo)["train_pids"].values()]
+    proc, running = start_two_slow_runs(repo, tmp_path)
     t = time.monotonic()
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=60)
