@@ -8,14 +8,20 @@ evaluate_bpb. Runs on CUDA, MPS or CPU. The run ends with the `---` summary bloc
 Usage: python train.py   (budget, seed, data and harness profile come from prepare.py / the environment)
 """
 
+import contextlib
 import gc
 import math
 import os
+import re
 import resource
 import sys
 import time
 from dataclasses import dataclass
 
+if __name__ == "__main__" and "PYTORCH_ALLOC_CONF" not in os.environ:
+    # CUDA's caching allocator grows segments in place instead of fragmenting; read once torch starts (a user's
+    # own setting wins).
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 if __name__ == "__main__" and sys.platform.startswith("linux") and "GLIBC_TUNABLES" not in os.environ:
     # Keep freed tensor memory in the heap: otherwise every large activation is a fresh mmap that page-faults
     # (measured ~1.4x slower steps on a 2-core CPU). Re-exec so the allocator sees the setting at start-up.
@@ -116,33 +122,93 @@ def pick_dtype(device):
 FA3 = None  # the FlashAttention-3 interface once loaded (a module global: the model itself stays picklable)
 
 
-def load_flash_attention_3(device):
-    """FlashAttention-3 where it can load (Hopper CUDA, kernel available); otherwise None."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+def load_flash_attention_3(device, dtype):
+    """The locally installed FlashAttention-3 (flash-attention's "hopper" build) for bf16 runs on a Hopper GPU,
+    else None. Never downloaded: a run must not depend on the network."""
+    if device.type != "cuda" or torch.version.hip or torch.cuda.get_device_capability(device) != (9, 0) \
+            or dtype != torch.bfloat16:
         return None
     try:
-        from kernels import get_kernel
+        import flash_attn_interface
 
-        return get_kernel("varunneal/flash-attention-3").flash_attn_interface
-    except Exception:
+        return flash_attn_interface
+    except Exception:  # not installed, or built against another torch/CUDA
         return None
 
 
-# bf16 dense tensor-core peak FLOP/s by device name (first match wins): MFU is 0.00 for unknown devices.
+def fast_sdpa(device):
+    """On CUDA, SDPA tries its fastest kernels first: cuDNN, flash, memory-efficient, then math. No-op elsewhere
+    and on torch without sdpa_kernel(..., set_priority=) (< 2.6)."""
+    try:
+        from torch.nn.attention import SDPBackend as B, sdpa_kernel
+
+        if device.type == "cuda":
+            return sdpa_kernel([B.CUDNN_ATTENTION, B.FLASH_ATTENTION, B.EFFICIENT_ATTENTION, B.MATH], set_priority=True)
+    except (ImportError, AttributeError, TypeError):
+        pass
+    return contextlib.nullcontext()
+
+
+# Dense (non-sparse) datasheet peak FLOP/s: (full device name regex, bf16, tf32, fp32); None where the device has
+# no such unit (tf32 then means fp32). Names must match in full: "RTX A1000" is no A100, "H200 NVL" no H200 SXM,
+# and MIG slices, laptop parts and unlisted devices get a measured peak instead.
 PEAK_FLOPS = [
-    ("GB200", 2.5e15), ("B200", 2.25e15), ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H200", 989e12),
-    ("H100", 989e12), ("H800", 989e12), ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12), ("L40", 181e12),
-    ("RTX 6000 Ada", 364e12), ("RTX 5090", 209e12), ("RTX 4090", 165e12), ("RTX 3090", 71e12),
-    ("RTX A6000", 155e12), ("A10G", 70e12), ("A10", 125e12), ("L4", 121e12), ("V100", 125e12), ("T4", 65e12),
-    ("MI300X", 1307e12), ("MI250X", 383e12),
+    (r"NVIDIA H[128]00( \d+GB HBM3e?)?|NVIDIA GH200( \d+GB?( HBM3e?)?)?", 989e12, 494.7e12, 66.9e12),  # SXM
+    (r"NVIDIA H[18]00 PCIe", 756e12, 378e12, 51.2e12),
+    (r"NVIDIA H[12]00 NVL", 835e12, 417.5e12, 60e12),
+    (r"NVIDIA A[18]00(-SXM4-|-PCIE-| )(40|80)GB( PCIe)?", 312e12, 156e12, 19.5e12),
+    (r"NVIDIA B200", 2.25e15, 1.125e15, 75e12),
+    (r"NVIDIA GB200", 2.5e15, 1.25e15, 80e12),
+    (r"NVIDIA L40S", 362e12, 183e12, 91.6e12),
+    (r"NVIDIA L40", 181e12, 90.5e12, 90.5e12),
+    (r"NVIDIA L4", 121e12, 60e12, 30.3e12),
+    (r"NVIDIA A10G", 70e12, 35e12, 31.2e12),
+    (r"NVIDIA A10", 125e12, 62.5e12, 31.2e12),
+    (r"NVIDIA RTX 6000 Ada Generation", 364.2e12, 182.1e12, 91.1e12),
+    (r"NVIDIA RTX A6000", 154.8e12, 77.4e12, 38.7e12),
+    (r"NVIDIA RTX A5000", 111.1e12, 55.6e12, 27.8e12),
+    (r"NVIDIA GeForce RTX 5090", 209.5e12, 104.8e12, 104.8e12),
+    (r"NVIDIA GeForce RTX 4090", 165.2e12, 82.6e12, 82.6e12),
+    (r"NVIDIA GeForce RTX 3090", 71e12, 35.6e12, 35.6e12),
+    (r"Tesla V100-SXM2-(16|32)GB", None, None, 15.7e12),
+    (r"Tesla V100-PCIE-(16|32)GB", None, None, 14e12),
+    (r"(Tesla|NVIDIA) T4", None, None, 8.1e12),
+    (r"AMD Instinct MI300X( VF)?", 1307.4e12, 653.7e12, 163.4e12),
+    (r"AMD Instinct MI250X", 191.5e12, None, 47.9e12),  # per die: torch sees each of its two GCDs as a device
 ]
 
 
-def peak_flops(device):
-    if device.type != "cuda":
-        return 0.0
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_FLOPS if key in name), 0.0)
+def table_peak_flops(name, precision):
+    """The datasheet peak FLOP/s of the device called `name` for precision bf16 | tf32 | fp32, or None."""
+    for pattern, bf16, tf32, fp32 in PEAK_FLOPS:
+        if re.fullmatch(pattern, name):
+            return {"bf16": bf16, "tf32": tf32 or fp32, "fp32": fp32}[precision]
+    return None
+
+
+def measure_peak_flops(device, dtype):
+    """Best-of-6 square matmul FLOP/s in the run's dtype (~0.1 s on a 2-core CPU): the peak of an unlisted device."""
+    n = 1024 if device.type == "cpu" else 4096
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    best = math.inf
+    for _ in range(6):
+        synchronize(device)
+        t0 = time.perf_counter()
+        a @ b
+        synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def peak_flops(device, dtype):
+    """(peak FLOP/s for this run's matmuls, "table" | "measured"). fp32 on CUDA runs as TF32 where allowed."""
+    if device.type == "cuda":
+        tf32 = torch.backends.cuda.matmul.allow_tf32
+        precision = "bf16" if dtype == torch.bfloat16 else "tf32" if tf32 else "fp32"
+        flops = table_peak_flops(torch.cuda.get_device_name(device), precision)
+        if flops:
+            return flops, "table"
+    return measure_peak_flops(device, dtype), "measured"
 
 
 def peak_memory_mb(device):
@@ -206,9 +272,9 @@ class CausalSelfAttention(nn.Module):
             v = v + gate.unsqueeze(-1) * ve.view(B, T, self.n_kv_head, self.head_dim)
         cos, sin = cos_sin
         q, k = norm(apply_rotary(q, cos, sin)), norm(apply_rotary(k, cos, sin))
-        if FA3 is not None:
-            y = FA3.flash_attn_func(q, k, v, causal=True, window_size=(window, 0))
-            y = y[0] if isinstance(y, tuple) else y
+        if FA3 is not None:  # bf16 autocast runs only: FA3 takes bf16, and q, k are fp32 after the norm
+            y = FA3.flash_attn_func(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=True, window_size=(window - 1, 0))
+            y = y[0] if isinstance(y, tuple) else y  # bf16, as autocast's c_proj takes it
         else:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             gqa = self.n_kv_head != self.n_head
@@ -415,8 +481,8 @@ def main():
     dtype = pick_dtype(device)
     autocast = torch.autocast(device_type=device.type, dtype=dtype, enabled=dtype != torch.float32)
     global FA3
-    FA3 = fa3 = load_flash_attention_3(device)
-    compile_model = device.type == "cuda" or os.environ.get("AUTOLOOP_COMPILE") == "1"
+    FA3 = fa3 = load_flash_attention_3(device, dtype)
+    compile_model = os.environ.get("AUTOLOOP_COMPILE", "1" if device.type == "cuda" else "0") == "1"
     startup_steps = 10 if compile_model else 1  # steps not counted against the budget (compilation, warm-up)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -440,21 +506,30 @@ def main():
     grad_accum = TOTAL_BATCH_SIZE // tokens_per_micro
     train_loader = make_dataloader(tokenizer, DEVICE_BATCH_SIZE, MAX_SEQ_LEN, "train", device=device)
     x, y, epoch = next(train_loader)
+    peak, peak_source = peak_flops(device, dtype)
     print(f"device: {device} | dtype: {str(dtype).removeprefix('torch.')} | attention: {'fa3' if fa3 else 'sdpa'} "
-          f"| compile: {compile_model} | profile: {PROFILE}")
+          f"| compile: {compile_model} | profile: {PROFILE} | peak: {peak / 1e12:.2f} TFLOP/s ({peak_source})")
     print(f"params: {num_params / 1e6:.2f}M | width {model_dim} | depth {DEPTH} | grad accum {grad_accum} "
           f"| budget {TIME_BUDGET:g}s | startup {time.time() - t_start:.1f}s", flush=True)
 
-    peak = peak_flops(device)
     smooth_loss, training_time, step, last_print = 0.0, 0.0, 0, 0.0
     while True:
         synchronize(device)
         t0 = time.time()
-        for _ in range(grad_accum):
-            with autocast:
-                loss = step_model(x, y)
-            (loss / grad_accum).backward()
-            x, y, epoch = next(train_loader)
+        try:
+            for _ in range(grad_accum):
+                with autocast:
+                    loss = step_model(x, y)
+                (loss / grad_accum).backward()
+                x, y, epoch = next(train_loader)
+        except Exception as e:  # torch.compile compiles in the first step(s): its failure must not end the run
+            if step_model is model:
+                raise
+            error = f"{type(e).__name__}: {next(iter(str(e).strip().splitlines()), '')}"[:200]
+            print(f"note: torch.compile failed ({error}); continuing in eager mode", flush=True)
+            step_model, startup_steps = model, step + 1
+            model.zero_grad(set_to_none=True)
+            continue
         progress = min(training_time / TIME_BUDGET, 1.0)
         for opt in optimizers:
             for group in opt.param_groups:
@@ -481,20 +556,23 @@ def main():
         if time.time() - last_print >= 1.0 or training_time >= TIME_BUDGET:
             last_print = time.time()
             tok_per_s = TOTAL_BATCH_SIZE / dt
-            mfu = 100 * flops_per_token * tok_per_s / peak if peak else 0.0
+            mfu = 100 * flops_per_token * tok_per_s / peak
             print(f"step {step:05d} ({100 * progress:.1f}%) | loss: {debiased:.6f} | dt: {dt * 1000:.0f}ms "
                   f"| tok/sec: {tok_per_s:,.0f} | mfu: {mfu:.1f}% | epoch: {epoch} "
                   f"| remaining: {max(0.0, TIME_BUDGET - training_time):.0f}s", flush=True)
         if step > startup_steps and training_time >= TIME_BUDGET:
             break
 
+    memory_mb, memory_kind = peak_memory_mb(device)  # the training peak, before evaluation adds its own
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     model.eval()
-    with autocast:
+    with autocast:  # evaluate_bpb returns nan under the controller, which evaluates the saved model itself
         val_bpb = evaluate_bpb(model, tokenizer, FINAL_EVAL_BATCH_SIZE)
+    eval_memory_mb, _ = peak_memory_mb(device)  # on CPU the process's overall peak (rss never goes down)
     counted_steps = max(step - startup_steps, 1)
     total_tokens = step * TOTAL_BATCH_SIZE
-    mfu = 100 * flops_per_token * TOTAL_BATCH_SIZE * counted_steps / training_time / peak if peak else 0.0
-    memory_mb, memory_kind = peak_memory_mb(device)
+    mfu = 100 * flops_per_token * TOTAL_BATCH_SIZE * counted_steps / training_time / peak
     print("---")
     print(f"val_bpb:          {val_bpb:.6f}")
     print(f"training_seconds: {training_time:.1f}")
@@ -509,7 +587,12 @@ def main():
     print(f"memory_kind:      {memory_kind}")
     print(f"dtype:            {str(dtype).removeprefix('torch.')}")
     print(f"profile:          {PROFILE}")
+    print(f"peak_tflops:      {peak / 1e12:.2f}")
+    print(f"peak_source:      {peak_source}")
+    if not math.isnan(val_bpb):
+        print(f"eval_vram_mb:     {eval_memory_mb:.1f}")
 
 
 if __name__ == "__main__":
-    main()
+    with fast_sdpa(pick_device()):
+        main()

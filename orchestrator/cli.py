@@ -115,7 +115,8 @@ def main() -> None:
 @click.option("--profile", type=click.Choice(["gpu", "cpu", "tiny"]), envvar="AUTOLOOP_PROFILE", show_envvar=True,
               help="Harness size (prepare.py).  [default: gpu with CUDA, else cpu]")
 @click.option("--dataset", envvar="AUTOLOOP_DATASET", show_envvar=True,
-              help="pystdlib | climbmix | tinystories | a directory of .txt/.jsonl/.parquet.  [default: pystdlib]")
+              help="climbmix | pypackages | pystdlib | tinystories | a directory of .txt/.jsonl/.parquet.  "
+                   "[default: climbmix on the gpu profile, else pystdlib]")
 @click.option("--seed", type=int, default=42, show_default=True, envvar="AUTOLOOP_SEED", show_envvar=True,
               help="Seed passed to every run (AUTOLOOP_SEED); owned by the controller, not train.py.")
 @click.option("--gate", type=click.Choice(["noise", "strict"]), default="noise", show_default=True,

@@ -14,17 +14,28 @@ EVAL_TOLERANCE = 0.005  # relative: train.py's own number and the harness's may 
 
 def parse_evaluation(output: str, split: str = "val", failed: str = "no output") -> tuple[float | None, str]:
     """(bits per byte, '') from the AUTOLOOP_EVAL line `prepare.py --evaluate` prints, or (None, why not)."""
+    value, _, why = read_evaluation(output, split, failed)
+    return value, why
+
+
+def read_evaluation(output: str, split: str = "val", failed: str = "no output") -> tuple[float | None, dict, str]:
+    """(bits per byte, the whole AUTOLOOP_EVAL result, '') or (None, {}, why not)."""
     line = next((ln for ln in output.splitlines() if ln.startswith("AUTOLOOP_EVAL ")), None)
     if line is None:
         tail = output.strip().splitlines()[-1:] or [failed]
-        return None, f"the harness evaluation failed: {tail[0][:200]}"
-    result = json.loads(line.split(" ", 1)[1])
+        return None, {}, f"the harness evaluation failed: {tail[0][:200]}"
+    try:
+        result = json.loads(line.split(" ", 1)[1])
+    except ValueError:
+        return None, {}, "the harness evaluation printed a malformed result"
+    if not isinstance(result, dict):
+        return None, {}, "the harness evaluation printed a malformed result"
     if "error" in result:
-        return None, result["error"]
+        return None, result, str(result["error"])
     value = result.get(f"{split}_bpb" if split != "val" else "val_bpb")
-    if not isinstance(value, (int, float)) or not math.isfinite(value):
-        return None, f"the harness measured a non-finite val_bpb ({value})"
-    return float(value), ""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None, result, f"the harness measured a non-finite val_bpb ({value})"
+    return float(value), result, ""
 
 
 def audit_clock(metrics: dict, budget: float, seconds_to_artifact: float | None, startup_s: float = 60.0) -> str:
@@ -52,3 +63,11 @@ def compare_printed(printed: float | None, measured: float) -> str:
         return f"train.py printed val_bpb {printed:.6f}, the harness measured {measured:.6f}"
     return ""
 
+
+def holdout_text(result: dict) -> str:
+    """One line for the console and the report: the held-out change next to the validation change, or why not."""
+    if result.get("error"):
+        return f"not available: {result['error']}"
+    b, w = result["baseline"], result["best"]
+    return (f"baseline {b['holdout_bpb']:.6f} -> best {w['holdout_bpb']:.6f} "
+            f"({w['holdout_bpb'] - b['holdout_bpb']:+.6f}; on validation {w['val_bpb'] - b['val_bpb']:+.6f})")

@@ -17,7 +17,7 @@ import git
 import psutil
 
 from . import LoopError, gitops
-from .evaluation import audit_clock, compare_printed, parse_evaluation
+from .evaluation import audit_clock, compare_printed, read_evaluation
 from .executors import OUT, PYTHON, Handle, Job, JobResult, Slot
 from .guard import new_violations
 from .ledger import Record, Row, append_row, write_record
@@ -285,10 +285,13 @@ def measure(session: Session, record: Record, result: JobResult) -> str:
     eval_step = result.steps[1]
     if eval_step.timed_out:
         return f"the harness evaluation timed out after {s.hard_timeout:.0f}s"
-    measured, why = parse_evaluation(eval_step.log.read_text(errors="replace") if eval_step.log.exists() else "")
+    measured, result, why = read_evaluation(eval_step.log.read_text(errors="replace") if eval_step.log.exists() else "")
     if measured is None:
         return why
     record.metrics["harness_val_bpb"] = measured
+    for key, name in (("seconds", "eval_seconds"), ("peak_mb", "eval_peak_mb"), ("eval_tokens", "eval_tokens")):
+        if isinstance(result.get(key), (int, float)):
+            record.metrics[name] = result[key]
     record.val_bpb = measured
     return compare_printed(printed, measured)
 

@@ -13,13 +13,22 @@ from pathlib import Path
 from . import LoopError
 
 _QUERY = """
-import json, prepare
-print("AUTOLOOP_HARNESS " + json.dumps({
-    "manifest": str(getattr(prepare, "MANIFEST_PATH", "") or ""),
-    "profile": getattr(prepare, "PROFILE", None),
-    "time_budget": getattr(prepare, "TIME_BUDGET", None),
-    "artifacts": hasattr(prepare, "save_eval_artifact"),
-}))
+import json, os, sys
+info = {}
+if os.path.exists("prepare.py"):
+    import prepare
+    info.update(manifest=str(getattr(prepare, "MANIFEST_PATH", "") or ""), profile=getattr(prepare, "PROFILE", None),
+                time_budget=getattr(prepare, "TIME_BUDGET", None), artifacts=hasattr(prepare, "save_eval_artifact"),
+                dataset=getattr(prepare, "DATASET", None), smoke_warning=getattr(prepare, "SMOKE_TEST_WARNING", None))
+if "torch" in sys.argv[1:] or "torch" in sys.modules:  # torch's view of CUDA (free when prepare imported it)
+    try:
+        import torch
+        info["torch"] = {"version": torch.__version__, "cuda": torch.version.cuda,
+                         "hip": getattr(torch.version, "hip", None), "available": bool(torch.cuda.is_available()),
+                         "devices": int(torch.cuda.device_count())}
+    except Exception as e:
+        info["torch"] = {"error": f"{type(e).__name__}: {e}"}
+print("AUTOLOOP_HARNESS " + json.dumps(info))
 """
 
 
@@ -29,6 +38,9 @@ class HarnessInfo:
     profile: str | None
     time_budget: float | None
     artifacts: bool = False  # prepare.py saves the model for the controller's own evaluation
+    torch: dict | None = None  # the run's torch: version, cuda, hip, available, devices (or error); None: not asked
+    dataset: str | None = None  # the data prepare.py uses (its default depends on the profile)
+    smoke_warning: str | None = None  # what prepare.py says of a corpus too small for the profile
 
 
 def sha256_file(path: Path) -> str:
@@ -49,11 +61,13 @@ def run_env(budget: float, seed: int, profile: str | None, dataset: str | None, 
     return env
 
 
-def query(workdir: Path, env: dict[str, str]) -> HarnessInfo:
-    """Ask prepare.py (in a subprocess, as train.py will see it) where its manifest lives."""
-    if not (workdir / "prepare.py").exists():
+def query(workdir: Path, env: dict[str, str], torch: bool = False) -> HarnessInfo:
+    """Ask prepare.py (in a subprocess, as train.py will see it) where its manifest lives; torch: also torch's view
+    of CUDA (reported anyway when prepare.py imports torch)."""
+    if not (workdir / "prepare.py").exists() and not torch:
         return HarnessInfo(None, None, None, False)
-    proc = subprocess.run([sys.executable, "-c", _QUERY], cwd=workdir, env=env, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", _QUERY, *(["torch"] if torch else [])], cwd=workdir, env=env,
+                          capture_output=True, text=True)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("AUTOLOOP_HARNESS ")), None)
     if proc.returncode != 0 or line is None:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
@@ -61,8 +75,9 @@ def query(workdir: Path, env: dict[str, str]) -> HarnessInfo:
                         f"({sys.executable}): {' | '.join(tail)}. Install the project (pip install -e .) "
                         "or fix prepare.py")
     data = json.loads(line.split(" ", 1)[1])
-    return HarnessInfo(Path(data["manifest"]) if data["manifest"] else None, data["profile"], data["time_budget"],
-                       bool(data.get("artifacts")))
+    return HarnessInfo(Path(data["manifest"]) if data.get("manifest") else None, data.get("profile"),
+                       data.get("time_budget"), bool(data.get("artifacts")), data.get("torch"), data.get("dataset"),
+                       data.get("smoke_warning"))
 
 
 def verify(manifest_path: Path) -> list[str]:

@@ -17,8 +17,8 @@ from typing import Callable
 
 import psutil
 
-from . import LoopError, gitops, harness
-from .evaluation import parse_evaluation
+from . import LoopError, gitops, gpu, harness
+from .evaluation import holdout_text, parse_evaluation
 from .executors import OUT, PYTHON, Executor, Job, make_executor
 from .experiment import MAX_INFRA_RETRIES, run_experiment
 from .generations import run_generations
@@ -123,7 +123,7 @@ class Session:
         self.env = harness.run_env(settings.budget, settings.seed, settings.profile, settings.dataset, settings.cache)
         self.wt = None
         self.info: harness.HarnessInfo | None = None
-        self.prepare_sha = ""
+        self.prepare_sha = self.manifest_sha = ""
         self.baseline_source = ""
         self.queue = Queue(self.paths.queue)
         self.progress = Progress()
@@ -169,7 +169,9 @@ class Session:
         self.wt = gitops.ensure_worktree(self.repo, self.settings.tag, self.paths.worktree)
         self.paths.runs.mkdir(parents=True, exist_ok=True)
         self.link_results()
-        self.info = harness.query(self.paths.worktree, self.env)
+        gpu_check = gpu.Check.start(self.settings, self.env)  # nvidia-smi, before anything touches a GPU
+        self.info = harness.query(self.paths.worktree, self.env, torch=gpu_check.needs_torch)
+        gpu_check.finish(self.info.torch)  # LoopError: GPUs torch cannot use, or the gpu profile without CUDA
         if self.info.manifest is not None and harness.verify(self.info.manifest):
             harness.prepare(self.paths.worktree, self.env, self.echo)
             problems = harness.verify(self.info.manifest)
@@ -178,8 +180,12 @@ class Session:
         if self.info.time_budget is not None and abs(self.info.time_budget - self.settings.budget) > 1e-9:
             self.echo(f"autoloop: note: this harness fixes its own budget ({self.info.time_budget:g}s); "
                       f"--budget {self.settings.budget:g} does not reach it")
+        if self.info.profile == "gpu" and self.info.dataset == "pystdlib" and self.info.smoke_warning:
+            self.echo(f"autoloop: {self.info.smoke_warning}")
         pinned = self.paths.worktree / "prepare.py"
         self.prepare_sha = harness.sha256_file(pinned) if pinned.exists() else ""
+        manifest = self.info.manifest
+        self.manifest_sha = harness.sha256_file(manifest) if manifest is not None and manifest.exists() else ""
 
     def link_results(self) -> None:
         """results.tsv at the repo root points at this session's ledger (an existing file is kept aside)."""
@@ -230,6 +236,9 @@ class Session:
             problems.append("prepare.py differs from the one pinned at session start")
         if self.info and self.info.manifest is not None:
             problems += harness.verify(self.info.manifest)
+            manifest = self.info.manifest
+            if self.manifest_sha and (not manifest.exists() or harness.sha256_file(manifest) != self.manifest_sha):
+                problems.append("the manifest (evaluation sizes, file hashes) changed since session start")
         return problems
 
 
@@ -368,10 +377,11 @@ def holdout_check(session: Session, state: State, echo: Callable[[str], None]) -
         value, why = evaluate_holdout(session, record.commit, artifact, session.paths.state / "holdout" / str(n))
         result[name] = {"n": n, "commit": record.commit, "holdout_bpb": value,
                         "val_bpb": state.groups[record.group or record.n][-1] if name == "best" else state.baseline_bpb}
+        if value is None:
+            result["error"] = f"{name} (#{n}): {why}"
+            break
     write_json_atomic(session.paths.state / "holdout.json", result)
-    b, w = result["baseline"], result["best"]
-    echo(f"autoloop: held-out check: baseline {b['holdout_bpb']:.6f} -> best {w['holdout_bpb']:.6f} "
-         f"({w['holdout_bpb'] - b['holdout_bpb']:+.6f}; on validation {w['val_bpb'] - b['val_bpb']:+.6f})")
+    echo(f"autoloop: held-out check: {holdout_text(result)}")
     return result
 
 

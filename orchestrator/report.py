@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from .evaluation import holdout_text
 from .ledger import read_record
 from .session import Paths
 
@@ -120,9 +121,7 @@ def markdown(f: dict, diff: str, image: str | None) -> str:
     if f["llm_tokens"]:
         lines.append(f"- LLM: {f['llm_tokens']} tokens, ${f['llm_cost']:.2f}")
     if f["holdout"]:
-        b, w = f["holdout"]["baseline"], f["holdout"]["best"]
-        lines.append(f"- held-out split: baseline {b['holdout_bpb']:.6f} -> best {w['holdout_bpb']:.6f} "
-                     f"({w['holdout_bpb'] - b['holdout_bpb']:+.6f})")
+        lines.append(f"- held-out split: {holdout_text(f['holdout'])}")
     if image:
         lines += ["", f"![progress]({image})"]
     lines += ["", "## Top improvements", "", "| # | commit | val_bpb | delta | description |", "|---|---|---|---|---|"]

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
 import http.server
 import json
+import os
 import random
 import shutil
+import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -48,7 +52,8 @@ print(json.dumps({'splits': splits, 'sizes': {s: len(t) for s, t in texts.items(
 def test_manifest_records_fingerprint_and_constants(tiny_env):
     manifest = json.loads(run_py("import json, prepare; print(json.dumps(prepare.load_manifest()))", tiny_env))
     assert manifest["profile"] == "tiny" and manifest["dataset"] == "pystdlib"
-    assert manifest["constants"] == {"MAX_SEQ_LEN": 64, "VOCAB_SIZE": 512, "EVAL_TOKENS": 4096}
+    assert manifest["constants"] == {"MAX_SEQ_LEN": 64, "VOCAB_SIZE": 512, "EVAL_TOKENS": 4096,
+                                     "HOLDOUT_TOKENS": 4096}
     assert len(manifest["fingerprint"]) == 64
     assert any(k.endswith("tokenizer.pkl") for k in manifest["files"])
 
@@ -105,7 +110,7 @@ def test_local_directory_dataset(tmp_path):
         (corpus / f"doc{i}.txt").write_text(" ".join(rng.choice(words) for _ in range(5000)))
     lines = [json.dumps({"text": " ".join(rng.choice(words) for _ in range(200))}) for _ in range(10)]
     (corpus / "extra.jsonl").write_text("\n".join(lines))
-    env = dict(__import__("os").environ, AUTOLOOP_CACHE=str(tmp_path / "cache"), AUTOLOOP_PROFILE="tiny")
+    env = dict(os.environ, AUTOLOOP_CACHE=str(tmp_path / "cache"), AUTOLOOP_PROFILE="tiny")
     proc = subprocess.run([sys.executable, str(ROOT / "prepare.py"), "--dataset", str(corpus)], cwd=tmp_path,
                           env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -116,7 +121,7 @@ def test_too_small_corpus_says_how_to_fix(tmp_path):
     corpus = tmp_path / "small"
     corpus.mkdir()
     (corpus / "a.txt").write_text("hello world " * 100)
-    env = dict(__import__("os").environ, AUTOLOOP_CACHE=str(tmp_path / "cache"), AUTOLOOP_PROFILE="tiny")
+    env = dict(os.environ, AUTOLOOP_CACHE=str(tmp_path / "cache"), AUTOLOOP_PROFILE="tiny")
     proc = subprocess.run([sys.executable, str(ROOT / "prepare.py"), "--dataset", str(corpus)], cwd=tmp_path,
                           env=env, capture_output=True, text=True)
     assert proc.returncode == 1
@@ -129,20 +134,46 @@ def test_too_small_corpus_says_how_to_fix(tmp_path):
 
 
 class _Handler(http.server.SimpleHTTPRequestHandler):
-    truncate: set[str] = set()
+    """Serves shards like a CDN: Range requests (206), an announced sha256 (X-Linked-Etag), and faults on demand."""
+
+    truncate: set[str] = set()  # promise the whole file, send half, hang up (once per name)
+    wrong_sha: set[str] = set()  # announce a sha256 the content does not have
+    ranges: list[str] = []  # Range headers received
+    refuse = False  # answer every request with a connection reset (an unreachable server)
 
     def log_message(self, *args):
         pass
 
-    def do_GET(self):
-        name = self.path.rsplit("/", 1)[-1]
-        if name in self.truncate:  # promise 100000 bytes, send 10, hang up
-            self.send_response(200)
-            self.send_header("Content-Length", "100000")
-            self.end_headers()
-            self.wfile.write(b"0123456789")
+    def do_HEAD(self):
+        self.do_GET(head=True)
+
+    def do_GET(self, head=False):
+        if self.refuse:
+            self.connection.close()
             return
-        super().do_GET()
+        path = Path(self.directory) / self.path.split("?", 1)[0].lstrip("/")
+        if not path.is_file():
+            self.send_error(404)
+            return
+        data = path.read_bytes()
+        sha = hashlib.sha256(data).hexdigest() if path.name not in self.wrong_sha else "0" * 64
+        start = 0
+        if rng := self.headers.get("Range"):
+            type(self).ranges.append(rng)
+            start = int(rng.removeprefix("bytes=").split("-")[0])
+        self.send_response(206 if start else 200)
+        self.send_header("Content-Length", str(len(data) - start))
+        self.send_header("X-Linked-Etag", f'"{sha}"')
+        self.end_headers()
+        if head:
+            return
+        if path.name in self.truncate:
+            type(self).truncate = self.truncate - {path.name}
+            self.wfile.write(data[start:start + (len(data) - start) // 2])
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_RDWR)
+            return
+        self.wfile.write(data[start:])
 
 
 @pytest.fixture
@@ -168,15 +199,16 @@ def shard_server(tmp_path):
     thread.start()
     yield f"http://127.0.0.1:{server.server_address[1]}", root
     server.shutdown()
-    _Handler.truncate = set()
+    _Handler.truncate, _Handler.wrong_sha, _Handler.ranges, _Handler.refuse = set(), set(), [], False
 
 
 def test_online_dataset_downloads_and_prepares(shard_server, tmp_path):
     url, _ = shard_server
-    env = dict(__import__("os").environ, AUTOLOOP_CACHE=str(tmp_path / "cache"), AUTOLOOP_PROFILE="tiny")
+    env = dict(os.environ, AUTOLOOP_CACHE=str(tmp_path / "cache"), AUTOLOOP_PROFILE="tiny")
     cmd = [sys.executable, str(ROOT / "prepare.py"), "--dataset", "climbmix", "--num-shards", "2", "--base-url", url]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "3/3 shards" in proc.stdout  # the progress line
     raw = tmp_path / "cache" / "climbmix" / "data" / "raw"
     assert sorted(p.name for p in raw.iterdir()) == ["shard_00000.parquet", "shard_00001.parquet",
                                                       "shard_06542.parquet"]
@@ -185,17 +217,126 @@ def test_online_dataset_downloads_and_prepares(shard_server, tmp_path):
     assert manifest["splits"]["val"] == ["val.parquet"]  # from the pinned shard only
 
 
-def test_failed_download_leaves_no_partial_file(shard_server, tmp_path):
-    url, _ = shard_server
+def test_download_resumes_and_checks_the_announced_sha256(shard_server, tmp_path):
+    url, root = shard_server
     _Handler.truncate = {"shard_00001.parquet"}
+    _Handler.wrong_sha = {"shard_06542.parquet"}
     dest = tmp_path / "dl"
     out = run_py(f"""
 import prepare
 ok0 = prepare.download_file({url!r} + "/shard_00000.parquet", {str(dest)!r} + "/a.parquet", attempts=2, backoff=0)
 ok1 = prepare.download_file({url!r} + "/shard_00001.parquet", {str(dest)!r} + "/b.parquet", attempts=2, backoff=0)
 ok2 = prepare.download_file({url!r} + "/missing.parquet", {str(dest)!r} + "/c.parquet", attempts=2, backoff=0)
-print(ok0, ok1, ok2)
-""", dict(__import__("os").environ, AUTOLOOP_PROFILE="tiny"))
-    assert out.split()[-3:] == ["True", "False", "False"]
-    assert sorted(p.name for p in dest.iterdir()) == ["a.parquet"]  # no b.parquet, no .tmp left behind
-    assert "truncated" in out or "IncompleteRead" in out or "attempt" in out
+ok3 = prepare.download_file({url!r} + "/shard_06542.parquet", {str(dest)!r} + "/d.parquet", attempts=2, backoff=0)
+print(ok0, ok1, ok2, ok3)
+""", dict(os.environ, AUTOLOOP_PROFILE="tiny"))
+    assert out.split()[-4:] == ["True", "True", "False", "False"]
+    # b: cut off halfway, then continued from where it stopped with a Range request, and complete
+    assert len(_Handler.ranges) == 1 and _Handler.ranges[0] != "bytes=0-"
+    assert (dest / "b.parquet").read_bytes() == (root / "shard_00001.parquet").read_bytes()
+    assert "HTTP 404" in out and "checksum mismatch" in out
+    assert sorted(p.name for p in dest.iterdir()) == ["a.parquet", "b.parquet"]  # nothing partial is renamed in
+
+
+def test_offline_stops_at_once_naming_the_ways_out(shard_server, tmp_path):
+    url, _ = shard_server
+    _Handler.refuse = True
+    env = dict(os.environ, AUTOLOOP_CACHE=str(tmp_path / "cache"), AUTOLOOP_PROFILE="tiny")
+    cmd = [sys.executable, str(ROOT / "prepare.py"), "--dataset", "climbmix", "--num-shards", "1", "--base-url", url]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert time.monotonic() - t0 < 30  # no minutes of retries on an offline machine
+    for way_out in ("--dataset /path/to/dir", "--dataset pypackages", "--dataset pystdlib", "AUTOLOOP_DATA_URL"):
+        assert way_out in proc.stderr
+
+
+def test_gpu_profile_defaults_to_climbmix(tmp_path):
+    env = dict(os.environ, AUTOLOOP_CACHE=str(tmp_path / "cache"), AUTOLOOP_PROFILE="gpu")
+    env.pop("AUTOLOOP_DATASET", None)
+    out = run_py("import prepare; print(prepare.DATASET)", env)
+    assert out.split()[-1] == "climbmix"
+    assert run_py("import prepare; print(prepare.DATASET)", dict(env, AUTOLOOP_PROFILE="cpu")).split()[-1] == "pystdlib"
+
+
+# ---------------------------------------------------------------------------
+# The evaluator never runs dry: it scores exactly EVAL_TOKENS / HOLDOUT_TOKENS, whatever the batch size
+# ---------------------------------------------------------------------------
+
+COUNT_TOKENS = """
+import math, torch, prepare
+
+class Uniform(torch.nn.Module):
+    # predicts every token with probability 1/V: the loss is log(V) per token, so bpb reveals the token count
+    def __init__(self, vocab):
+        super().__init__()
+        self.vocab, self.anchor, self.seen = vocab, torch.nn.Parameter(torch.zeros(1)), []
+    def forward(self, x, y, reduction="none"):
+        assert x.shape[0] <= self.batch and x.shape == y.shape and x.shape[1] == prepare.MAX_SEQ_LEN
+        self.seen.append(torch.cat([x[:, :1], y], dim=1))
+        return torch.full((y.numel(),), math.log(self.vocab)) + 0 * self.anchor
+
+tok = prepare.Tokenizer.from_directory()
+model, tb = Uniform(tok.get_vocab_size()), prepare.get_token_bytes()
+for split in ("val", "holdout"):
+    wanted = prepare.split_tokens(split)
+    rows = prepare.eval_rows(tok, prepare._split_files(split), -(-wanted // prepare.MAX_SEQ_LEN))
+    targets = rows[:, 1:].reshape(-1)[:wanted]
+    expected = (tb[targets] > 0).sum().item() * math.log2(tok.get_vocab_size()) / tb[targets].sum().item()
+    for batch in (1, 3, 1000):
+        model.batch, model.seen = batch, []
+        got = prepare._evaluate_split_bpb(model, tok, batch, split)
+        assert torch.equal(torch.cat(model.seen), rows)  # exactly the packed rows, each once, in order
+        assert abs(got - expected) < 1e-5 * expected, (split, batch, got, expected)
+    print(split, wanted)
+"""
+
+
+@pytest.mark.parametrize("profile", ["tiny", "cpu", "gpu"])
+def test_evaluator_scores_exactly_the_prepared_tokens(profile, tmp_path_factory):
+    cache = tmp_path_factory.getbasetemp() / "eval-cache"  # one pystdlib corpus, one tokenizer per profile
+    env = dict(os.environ, AUTOLOOP_CACHE=str(cache), AUTOLOOP_PROFILE=profile, AUTOLOOP_DATASET="pystdlib",
+               AUTOLOOP_DEVICE="cpu")
+    proc = subprocess.run([sys.executable, "prepare.py"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = run_py(COUNT_TOKENS, env)
+    sizes = dict(line.split() for line in out.splitlines() if line.startswith(("val ", "holdout ")))
+    assert int(sizes["val"]) >= min(int(sizes["holdout"]), 2**15) > 0
+
+
+def test_a_corpus_too_small_to_evaluate_is_refused(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    rng = random.Random(0)
+    words = ["".join(rng.choice("abcdefghij") for _ in range(5)) for _ in range(400)]  # ~1 token each
+    for i in range(400):  # ~2.6 MB: enough to prepare, too few held-out tokens (~5%) to evaluate on
+        (corpus / f"doc{i}.txt").write_text(" ".join(rng.choice(words) for _ in range(1100)))
+    env = dict(os.environ, AUTOLOOP_CACHE=str(tmp_path / "cache"), AUTOLOOP_PROFILE="gpu", AUTOLOOP_DEVICE="cpu")
+    proc = subprocess.run([sys.executable, str(ROOT / "prepare.py"), "--dataset", str(corpus)], cwd=tmp_path,
+                          env=env, capture_output=True, text=True)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    assert "as the evaluator packs them" in proc.stderr and "--profile cpu" in proc.stderr
+    assert not list((tmp_path / "cache").glob("*/manifest-gpu.json"))  # nothing half-prepared passes for ready
+
+
+def test_dataloader_batches_carry_the_packed_rows_in_order(tiny_env):
+    """Several consecutive batches hold exactly the rows the packer makes, inputs and targets shifted by one
+    (the host buffers are reused; on CUDA a reused buffer would otherwise be overwritten before its copy)."""
+    out = run_py("""
+import torch, prepare
+tok = prepare.Tokenizer.from_directory()
+B, T = 3, prepare.MAX_SEQ_LEN
+rows = prepare._packed_rows(tok, T, prepare._split_files("train"))
+batches = prepare.make_dataloader(tok, B, T, "train", device="cpu")
+held = []
+for _ in range(6):
+    x, y, epoch = next(batches)
+    held.append((x, y))  # kept alive while later batches are made
+    assert x.shape == y.shape == (B, T) and x.dtype == torch.long and epoch == 1
+for x, y in held:
+    expected = torch.tensor([next(rows)[0] for _ in range(B)])
+    assert torch.equal(x, expected[:, :-1]) and torch.equal(y, expected[:, 1:])
+    assert (x[:, 0] == tok.get_bos_token_id()).all()
+print("ok", len(held))
+""", tiny_env)
+    assert out.split()[-2:] == ["ok", "6"]

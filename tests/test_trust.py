@@ -3,6 +3,8 @@ as a crash with its reason, and honest edits pass (tiny profile, CPU)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 import fakes
@@ -40,7 +42,7 @@ STATIC = [  # caught before any training time is spent
 ]
 RUNTIME = [  # caught by the harness's own evaluation and the clock audit
     ("prints a fake number", edited('print(f"val_bpb:          {val_bpb:.6f}")',
-                                    'print(f"val_bpb:          {val_bpb - 0.5:.6f}")'), "the harness measured"),
+                                    'print(f"val_bpb:          {0.5:.6f}")'), "the harness measured"),
     ("skips evaluate_bpb", edited("val_bpb = evaluate_bpb(model, tokenizer, FINAL_EVAL_BATCH_SIZE)", "val_bpb = 0.5"),
      "did not call prepare.evaluate_bpb"),
     ("sneaky smaller eval", after_imports('import sys as _s\nsetattr(_s.modules["prepare"], "EVAL_" + "TOKENS", 64)'),
@@ -78,10 +80,10 @@ def test_tampering_edits_are_crashes_and_honest_edits_pass(tiny_env, tmp_path, m
     for row, (name, _, expected) in zip(rows[1:], steps):
         assert row.status == "crash" and expected in row.description, (name, row.description)
     assert rows[-1].description.startswith("honest") and rows[-1].status in ("keep", "discard")
-    # the number in results.tsv is the harness's own measurement, and it agrees with what train.py printed
+    # the number in results.tsv is the harness's own measurement; train.py did not evaluate (one evaluation)
     record = read_record(Paths(repo, "trust").run_dir(1))
-    assert record.val_bpb == record.metrics["harness_val_bpb"]
-    assert abs(record.metrics["harness_val_bpb"] - record.metrics["val_bpb"]) < 1e-3
+    assert record.val_bpb == record.metrics["harness_val_bpb"] > 0
+    assert math.isnan(record.metrics["val_bpb"]) and record.metrics["eval_seconds"] > 0
     # static catches spent no training time; the baseline's saved model is kept for the held-out check
     assert "train" not in read_record(Paths(repo, "trust").run_dir(2)).timings
     assert (Paths(repo, "trust").run_dir(1) / "model.pt").exists()
