@@ -323,37 +323,59 @@ def _sha256_header(headers):
     return None
 
 
-def download_file(url, dest, attempts=5, timeout=60, backoff=2.0, progress=None):
+STOP_DOWNLOADS = threading.Event()  # set on Ctrl-C: downloads in other threads stop at their next chunk
+
+
+def download_file(url, dest, attempts=5, timeout=60, backoff=2.0, progress=None, validate=None):
     """Download url to dest: resumable (a .part file continued with a Range request after a failure), checked
-    against the sha256 the server announces (when it does), renamed into place only when complete.
-    Returns True on success."""
+    against the sha256 the server announces (when it does) and by `validate(path)` (raises if the file is
+    not what was asked for), renamed into place only when complete. Returns True on success."""
     dest = Path(dest)
     if dest.exists():
         return True
     dest.parent.mkdir(parents=True, exist_ok=True)
     part = Path(f"{dest}.part")
     for attempt in range(1, attempts + 1):
+        etag = _KeepLinkedEtag()
         try:
             have = part.stat().st_size if part.exists() else 0
-            etag = _KeepLinkedEtag()
             request = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
-            with urllib.request.build_opener(etag).open(request, timeout=timeout) as response:
-                if have and response.status != 206:  # the server ignored the range: start over
-                    have = 0
-                length = response.headers.get("Content-Length")
-                expected = have + int(length) if length is not None else None
-                sha256 = etag.sha256 or _sha256_header(response.headers)
-                with open(part, "ab" if have else "wb") as f:
-                    for chunk in iter(lambda: response.read(1 << 20), b""):
-                        f.write(chunk)
-                        if progress:
-                            progress.add(len(chunk))
+            try:
+                response = urllib.request.build_opener(etag).open(request, timeout=timeout)
+            except urllib.error.HTTPError as e:
+                total = (e.headers.get("Content-Range") or "").rpartition("/")[2]
+                if e.code != 416 or not have or total != str(have):
+                    raise
+                response, expected = None, have  # 416: the .part already holds the whole file
+                etag.sha256 = etag.sha256 or _sha256_header(e.headers)
+            if response is not None:
+                with response:
+                    if have and response.status != 206:  # the server ignored the range: start over
+                        have = 0
+                    length = response.headers.get("Content-Length")
+                    expected = have + int(length) if length is not None else None
+                    etag.sha256 = etag.sha256 or _sha256_header(response.headers)
+                    with open(part, "ab" if have else "wb") as f:
+                        for chunk in iter(lambda: response.read(1 << 20), b""):
+                            if STOP_DOWNLOADS.is_set():
+                                raise KeyboardInterrupt
+                            f.write(chunk)
+                            if progress:
+                                progress.add(len(chunk))
             size = part.stat().st_size
             if expected is not None and size != expected:
                 raise OSError(f"truncated: got {size} of {expected} bytes")
-            if sha256 and sha256_file(part) != sha256:
+            problem = ""
+            if etag.sha256 and sha256_file(part) != etag.sha256:
+                problem = f"checksum mismatch: the download does not match the announced sha256 {etag.sha256[:12]}"
+            elif validate is not None:
+                try:
+                    validate(part)
+                except Exception as e:  # noqa: BLE001 - e.g. an HTML error page where a parquet file should be
+                    problem = f"not a valid file ({type(e).__name__}: {str(e)[:100]})"
+            if problem:
                 part.unlink()
-                raise OSError(f"checksum mismatch: the download does not match the announced sha256 {sha256[:12]}")
+                raise OSError(problem)
             os.replace(part, dest)
             if progress:
                 progress.add(file_done=True)
@@ -362,10 +384,13 @@ def download_file(url, dest, attempts=5, timeout=60, backoff=2.0, progress=None)
             log(f"  attempt {attempt}/{attempts} failed for {url}: HTTP {e.code} {e.reason}")
             if e.code in (401, 403, 404):
                 return False  # asking again will not help
+            if e.code == 416:
+                part.unlink(missing_ok=True)  # a range the server cannot serve: start over
         except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as e:
             log(f"  attempt {attempt}/{attempts} failed for {url}: {e}")
         if attempt < attempts:
-            time.sleep(backoff * 2 ** (attempt - 1))
+            if STOP_DOWNLOADS.wait(backoff * 2 ** (attempt - 1)):
+                raise KeyboardInterrupt
     return False
 
 
@@ -401,9 +426,16 @@ def prepare_online(name, base_url=None, num_shards=None, workers=4):
     if missing:
         check_reachable(name, f"{base_url}/{missing[0]}")
         progress = _Progress(len(missing))
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            ok = dict(zip(missing, pool.map(lambda rel: download_file(f"{base_url}/{rel}", raw / rel,
-                                                                      progress=progress), missing)))
+        pool = ThreadPoolExecutor(max_workers=workers)
+        try:
+            ok = dict(zip(missing, pool.map(lambda rel: download_file(
+                f"{base_url}/{rel}", raw / rel, progress=progress, validate=pq.ParquetFile), missing)))
+        except KeyboardInterrupt:
+            STOP_DOWNLOADS.set()  # running downloads stop at their next chunk; their .part files stay for a resume
+            pool.shutdown(wait=False, cancel_futures=True)
+            progress.close()
+            sys.exit("prepare.py: interrupted; run the same command again to resume the downloads")
+        pool.shutdown()
         progress.close()
         failed = [rel for rel, good in ok.items() if not good]
         if failed:
@@ -503,6 +535,12 @@ def load_manifest():
             f"no prepared data for dataset {DATASET!r}, profile {PROFILE!r} (looked for {MANIFEST_PATH}); "
             f"run: python prepare.py --dataset {DATASET} --profile {PROFILE}")
     return json.loads(MANIFEST_PATH.read_text())
+
+
+def manifest_digest(manifest):
+    """What a session pins of the prepared data: everything in the manifest but when it was written."""
+    return hashlib.sha256(json.dumps({k: v for k, v in manifest.items() if k != "created"}, sort_keys=True)
+                          .encode()).hexdigest()
 
 
 def verify_manifest(manifest=None):
@@ -692,7 +730,7 @@ def make_dataloader(tokenizer, B, T, split, buffer_size=1000, device=None):
         if on_cuda:
             batch = host.to(device, non_blocking=True)
             copied[i] = torch.cuda.Event()
-            copied[i].record()
+            copied[i].record(torch.cuda.current_stream(device))  # the stream the copy was queued on
         else:
             batch = host.clone()
         yield batch[0], batch[1], epoch
@@ -783,6 +821,10 @@ def evaluate_artifact(path, split="val", train_file="train.py"):
     import runpy
     import types
 
+    pinned = os.environ.get("AUTOLOOP_MANIFEST_DIGEST")  # set by the controller: the data its session pinned
+    if pinned and manifest_digest(load_manifest()) != pinned:
+        return {"error": "the prepared data's manifest (evaluation sizes, file hashes) changed since the session "
+                         "pinned it; an experiment may have rewritten it"}
     sys.modules["prepare"] = sys.modules[__name__]  # train.py's `from prepare import ...` binds to this module
     before = {name: globals()[name] for name in HARNESS_NAMES}
     namespace = runpy.run_path(train_file, run_name="__autoloop_eval__")

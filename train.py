@@ -516,20 +516,22 @@ def main():
     while True:
         synchronize(device)
         t0 = time.time()
-        try:
-            for _ in range(grad_accum):
+        for _ in range(grad_accum):
+            try:
                 with autocast:
                     loss = step_model(x, y)
                 (loss / grad_accum).backward()
-                x, y, epoch = next(train_loader)
-        except Exception as e:  # torch.compile compiles in the first step(s): its failure must not end the run
-            if step_model is model:
-                raise
-            error = f"{type(e).__name__}: {next(iter(str(e).strip().splitlines()), '')}"[:200]
-            print(f"note: torch.compile failed ({error}); continuing in eager mode", flush=True)
-            step_model, startup_steps = model, step + 1
-            model.zero_grad(set_to_none=True)
-            continue
+            except Exception as e:  # torch.compile compiles in the first steps: its failure must not end the run
+                if step_model is model or step >= startup_steps:
+                    raise
+                error = f"{type(e).__name__}: {next(iter(str(e).strip().splitlines()), '')}"[:200]
+                print(f"note: torch.compile failed ({error}); continuing in eager mode", flush=True)
+                step_model, loss = model, None
+                model.zero_grad(set_to_none=True)
+                with autocast:  # this micro-batch again, eager; later steps of the warm-up stay uncounted
+                    loss = step_model(x, y)
+                (loss / grad_accum).backward()
+            x, y, epoch = next(train_loader)
         progress = min(training_time / TIME_BUDGET, 1.0)
         for opt in optimizers:
             for group in opt.param_groups:

@@ -46,17 +46,31 @@ def parse_header(text: str) -> tuple[str | None, tuple[int, int] | None]:
             (int(cuda.group(1)), int(cuda.group(2))) if cuda else None)
 
 
+def _smi(args: list[str], timeout: float) -> str | None:
+    """stdout of a successful nvidia-smi call, else None. A driver wedged in the kernel can leave nvidia-smi
+    unkillable: after the timeout it is killed and, if it still does not end, abandoned (never waited on)."""
+    try:
+        proc = subprocess.Popen(["nvidia-smi", *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    except OSError:
+        return None
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        try:
+            proc.communicate(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            pass
+        return None
+    return out if proc.returncode == 0 else None
+
+
 def nvidia_smi(timeout: float = SMI_TIMEOUT_S) -> Driver | None:
     """The NVIDIA GPUs this machine has, by nvidia-smi; None without nvidia-smi, when it fails, or lists none."""
-    try:
-        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=timeout)
-        gpus = parse_list(listing.stdout) if listing.returncode == 0 else []
-        if not gpus:
-            return None
-        header = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=timeout)
-    except (OSError, subprocess.SubprocessError):
+    gpus = parse_list(_smi(["-L"], timeout) or "")
+    if not gpus:
         return None
-    version, cuda = parse_header(header.stdout) if header.returncode == 0 else (None, None)
+    version, cuda = parse_header(_smi([], timeout) or "")  # GPUs listed but no header: still GPUs, version unknown
     return Driver(tuple(gpus), version or "unknown", cuda)
 
 

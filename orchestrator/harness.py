@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -80,14 +81,32 @@ def query(workdir: Path, env: dict[str, str], torch: bool = False) -> HarnessInf
                        data.get("smoke_warning"))
 
 
-def verify(manifest_path: Path) -> list[str]:
-    """Problems of the prepared files against the manifest (controller-side hashing); [] when all match."""
+def manifest_digest(manifest_path: Path) -> str:
+    """prepare.py's manifest_digest: everything in the manifest but when it was written ('' without one)."""
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError):
+        return ""
+    return hashlib.sha256(json.dumps({k: v for k, v in manifest.items() if k != "created"}, sort_keys=True)
+                          .encode()).hexdigest()
+
+
+def verify(manifest_path: Path, prepare_py: Path | None = None) -> list[str]:
+    """Problems of the prepared files against the manifest (controller-side hashing); [] when all match.
+    With prepare_py: also whether that prepare.py is the one that prepared them (an older one sized the data
+    differently)."""
     if not manifest_path.exists():
         return [f"no manifest at {manifest_path}"]
-    manifest = json.loads(manifest_path.read_text())
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = dict(manifest["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return [f"unreadable manifest {manifest_path}"]
     root = manifest_path.parent
     problems = []
-    for rel, digest in sorted(manifest["files"].items()):
+    if prepare_py is not None and prepare_py.exists() and manifest.get("prepare_sha256") != sha256_file(prepare_py):
+        problems.append("the data was prepared by another prepare.py")
+    for rel, digest in sorted(files.items()):
         path = root / rel
         if not path.exists():
             problems.append(f"missing prepared file {rel}")
@@ -102,8 +121,17 @@ def prepare(workdir: Path, env: dict[str, str], echo=print) -> None:
     proc = subprocess.Popen([sys.executable, "prepare.py"], cwd=workdir, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     tail: list[str] = []
-    for line in proc.stdout:
-        echo("  " + line.rstrip())
-        tail = (tail + [line.rstrip()])[-5:]
+    try:
+        for line in proc.stdout:
+            echo("  " + line.rstrip())
+            tail = (tail + [line.rstrip()])[-5:]
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: stop the downloads too (they resume on the next run)
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        raise
     if proc.wait() != 0:
         raise LoopError(f"prepare.py failed (exit {proc.returncode}): {' | '.join(tail)}")

@@ -123,7 +123,7 @@ class Session:
         self.env = harness.run_env(settings.budget, settings.seed, settings.profile, settings.dataset, settings.cache)
         self.wt = None
         self.info: harness.HarnessInfo | None = None
-        self.prepare_sha = self.manifest_sha = ""
+        self.prepare_sha = self.manifest_digest = ""
         self.baseline_source = ""
         self.queue = Queue(self.paths.queue)
         self.progress = Progress()
@@ -170,11 +170,16 @@ class Session:
         self.paths.runs.mkdir(parents=True, exist_ok=True)
         self.link_results()
         gpu_check = gpu.Check.start(self.settings, self.env)  # nvidia-smi, before anything touches a GPU
-        self.info = harness.query(self.paths.worktree, self.env, torch=gpu_check.needs_torch)
+        slot_env = {**self.env, **(self.executor.slots[0].env if self.executor else {})}  # as a run will see it
+        self.info = harness.query(self.paths.worktree, slot_env, torch=gpu_check.needs_torch)
         gpu_check.finish(self.info.torch)  # LoopError: GPUs torch cannot use, or the gpu profile without CUDA
-        if self.info.manifest is not None and harness.verify(self.info.manifest):
-            harness.prepare(self.paths.worktree, self.env, self.echo)
-            problems = harness.verify(self.info.manifest)
+        for key, value in (("AUTOLOOP_PROFILE", self.info.profile), ("AUTOLOOP_DATASET", self.info.dataset)):
+            if value and not self.env.get(key):
+                self.env[key] = value  # one harness size and corpus for every slot, as the query found them
+        pinned = self.paths.worktree / "prepare.py"
+        if self.info.manifest is not None and harness.verify(self.info.manifest, pinned):
+            harness.prepare(self.paths.worktree, slot_env, self.echo)
+            problems = harness.verify(self.info.manifest, pinned)
             if problems:
                 raise LoopError(f"prepared data does not verify after prepare.py: {'; '.join(problems)}")
         if self.info.time_budget is not None and abs(self.info.time_budget - self.settings.budget) > 1e-9:
@@ -182,10 +187,9 @@ class Session:
                       f"--budget {self.settings.budget:g} does not reach it")
         if self.info.profile == "gpu" and self.info.dataset == "pystdlib" and self.info.smoke_warning:
             self.echo(f"autoloop: {self.info.smoke_warning}")
-        pinned = self.paths.worktree / "prepare.py"
         self.prepare_sha = harness.sha256_file(pinned) if pinned.exists() else ""
-        manifest = self.info.manifest
-        self.manifest_sha = harness.sha256_file(manifest) if manifest is not None and manifest.exists() else ""
+        if self.info.manifest is not None:  # the evaluation refuses data that differs from what was pinned
+            self.manifest_digest = self.env["AUTOLOOP_MANIFEST_DIGEST"] = harness.manifest_digest(self.info.manifest)
 
     def link_results(self) -> None:
         """results.tsv at the repo root points at this session's ledger (an existing file is kept aside)."""
@@ -208,11 +212,17 @@ class Session:
         state = State()
         session = self.paths.session
         if session.exists():
-            state.start_commit = json.loads(session.read_text())["start_commit"]
+            pinned = json.loads(session.read_text())
+            state.start_commit = pinned["start_commit"]
+            if pinned.get("manifest_digest", self.manifest_digest) != self.manifest_digest:
+                raise LoopError(f"the prepared data differs from the data session {self.settings.tag!r} started "
+                                "with (evaluation sizes or files): its results would not be comparable. Start a "
+                                "new session (--tag NEW), or restore the data it was prepared with")
         else:
             state.start_commit = self.wt.head.commit.hexsha
             write_json_atomic(session, {"start_commit": state.start_commit, "tag": self.settings.tag,
-                                        "prepare_sha256": self.prepare_sha, "created": time.time()})
+                                        "prepare_sha256": self.prepare_sha, "manifest_digest": self.manifest_digest,
+                                        "created": time.time()})
         state.best_commit = state.start_commit
         for n, row in enumerate(read_rows(self.paths.ledger), start=1):
             record = read_record(self.paths.run_dir(n)) or Record(
@@ -236,8 +246,7 @@ class Session:
             problems.append("prepare.py differs from the one pinned at session start")
         if self.info and self.info.manifest is not None:
             problems += harness.verify(self.info.manifest)
-            manifest = self.info.manifest
-            if self.manifest_sha and (not manifest.exists() or harness.sha256_file(manifest) != self.manifest_sha):
+            if harness.manifest_digest(self.info.manifest) != self.manifest_digest:
                 problems.append("the manifest (evaluation sizes, file hashes) changed since session start")
         return problems
 

@@ -48,7 +48,8 @@ def test_local_slots_pin_their_gpus(code, tmp_path):
 def test_cpu_slots_share_the_cores():
     slots = local_slots(2, [])
     assert all(s.env["CUDA_VISIBLE_DEVICES"] == "" and int(s.env["OMP_NUM_THREADS"]) >= 1 for s in slots)
-    assert local_slots(1, []) [0].env == {}  # one slot: the machine as it is
+    assert local_slots(1, []) [0].env == {}  # one slot: the machine as it is (an AMD GPU stays visible)
+    assert LocalExecutor(workers=1, gpus=[]).slots[0].env == {"CUDA_VISIBLE_DEVICES": ""}  # --gpus '': none
     with pytest.raises(ValueError, match="--workers 3 needs at least 3 GPUs"):
         local_slots(3, ["0", "1"])
 

@@ -138,6 +138,7 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
 
     truncate: set[str] = set()  # promise the whole file, send half, hang up (once per name)
     wrong_sha: set[str] = set()  # announce a sha256 the content does not have
+    garbage: set[str] = set()  # serve something that is not a parquet file
     ranges: list[str] = []  # Range headers received
     refuse = False  # answer every request with a connection reset (an unreachable server)
 
@@ -157,13 +158,22 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
             return
         data = path.read_bytes()
         sha = hashlib.sha256(data).hexdigest() if path.name not in self.wrong_sha else "0" * 64
+        if path.name in self.garbage:  # a captive portal's page where a shard should be, no checksum
+            data, sha = b"<html>please log in</html>" * 100, None
         start = 0
         if rng := self.headers.get("Range"):
             type(self).ranges.append(rng)
             start = int(rng.removeprefix("bytes=").split("-")[0])
+            if start >= len(data):
+                self.send_response(416)
+                self.send_header("Content-Range", f"bytes */{len(data)}")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
         self.send_response(206 if start else 200)
         self.send_header("Content-Length", str(len(data) - start))
-        self.send_header("X-Linked-Etag", f'"{sha}"')
+        if sha:
+            self.send_header("X-Linked-Etag", f'"{sha}"')
         self.end_headers()
         if head:
             return
@@ -199,7 +209,8 @@ def shard_server(tmp_path):
     thread.start()
     yield f"http://127.0.0.1:{server.server_address[1]}", root
     server.shutdown()
-    _Handler.truncate, _Handler.wrong_sha, _Handler.ranges, _Handler.refuse = set(), set(), [], False
+    _Handler.truncate, _Handler.wrong_sha, _Handler.garbage, _Handler.ranges = set(), set(), set(), []
+    _Handler.refuse = False
 
 
 def test_online_dataset_downloads_and_prepares(shard_server, tmp_path):
@@ -236,6 +247,27 @@ print(ok0, ok1, ok2, ok3)
     assert (dest / "b.parquet").read_bytes() == (root / "shard_00001.parquet").read_bytes()
     assert "HTTP 404" in out and "checksum mismatch" in out
     assert sorted(p.name for p in dest.iterdir()) == ["a.parquet", "b.parquet"]  # nothing partial is renamed in
+
+
+def test_download_of_a_complete_part_file_or_of_garbage(shard_server, tmp_path):
+    url, root = shard_server
+    dest = tmp_path / "dl"
+    dest.mkdir()
+    # killed after the last byte but before the rename: the server answers the resume with 416
+    (dest / "a.parquet.part").write_bytes((root / "shard_00000.parquet").read_bytes())
+    _Handler.garbage = {"shard_00001.parquet"}
+    out = run_py(f"""
+import prepare, pyarrow.parquet as pq
+ok0 = prepare.download_file({url!r} + "/shard_00000.parquet", {str(dest)!r} + "/a.parquet", attempts=2, backoff=0,
+                            validate=pq.ParquetFile)
+ok1 = prepare.download_file({url!r} + "/shard_00001.parquet", {str(dest)!r} + "/b.parquet", attempts=2, backoff=0,
+                            validate=pq.ParquetFile)
+print(ok0, ok1)
+""", dict(os.environ, AUTOLOOP_PROFILE="tiny"))
+    assert out.split()[-2:] == ["True", "False"], out
+    assert (dest / "a.parquet").read_bytes() == (root / "shard_00000.parquet").read_bytes()
+    assert "not a valid file" in out
+    assert sorted(p.name for p in dest.iterdir()) == ["a.parquet"]
 
 
 def test_offline_stops_at_once_naming_the_ways_out(shard_server, tmp_path):
@@ -340,3 +372,37 @@ for x, y in held:
 print("ok", len(held))
 """, tiny_env)
     assert out.split()[-2:] == ["ok", "6"]
+
+
+def test_evaluation_refuses_a_manifest_changed_since_the_session_pinned_it(tiny_env, tmp_path):
+    """A run that rewrites the manifest (e.g. EVAL_TOKENS = 64) must not get a number measured on its terms."""
+    cache = tmp_path / "cache"
+    shutil.copytree(tiny_env["AUTOLOOP_CACHE"], cache)
+    env = dict(tiny_env, AUTOLOOP_CACHE=str(cache), AUTOLOOP_TIME_BUDGET="1", AUTOLOOP_EVAL_ARTIFACT=str(tmp_path / "m.pt"))
+    proc = subprocess.run([sys.executable, "train.py"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "val_bpb:          nan" in proc.stdout  # under the controller train.py does not evaluate
+    manifest_path = cache / "pystdlib" / "manifest-tiny.json"
+    digest = run_py("import prepare; print(prepare.manifest_digest(prepare.load_manifest()))", env).split()[-1]
+    evaluate = [sys.executable, "prepare.py", "--evaluate", str(tmp_path / "m.pt")]
+    env = dict(env, AUTOLOOP_MANIFEST_DIGEST=digest)
+    env.pop("AUTOLOOP_EVAL_ARTIFACT")
+    good = subprocess.run(evaluate, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert good.returncode == 0 and '"eval_tokens": 4096' in good.stdout, good.stdout + good.stderr
+    manifest = json.loads(manifest_path.read_text())
+    manifest["constants"]["EVAL_TOKENS"] = 64
+    manifest_path.write_text(json.dumps(manifest))
+    bad = subprocess.run(evaluate, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert bad.returncode == 3 and "manifest" in bad.stdout and "val_bpb" not in bad.stdout, bad.stdout + bad.stderr
+
+
+def test_controller_reprepares_data_made_by_another_prepare_py(tiny_env, tmp_path):
+    from orchestrator import harness
+
+    manifest = Path(tiny_env["AUTOLOOP_CACHE"]) / "pystdlib" / "manifest-tiny.json"
+    assert harness.verify(manifest, ROOT / "prepare.py") == []
+    other = tmp_path / "prepare.py"
+    other.write_text((ROOT / "prepare.py").read_text() + "\n# an older or newer harness\n")
+    assert harness.verify(manifest, other) == ["the data was prepared by another prepare.py"]
+    assert harness.manifest_digest(manifest) == run_py(
+        "import prepare; print(prepare.manifest_digest(prepare.load_manifest()))", tiny_env).split()[-1]

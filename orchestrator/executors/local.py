@@ -88,6 +88,9 @@ class LocalExecutor(Executor):
 
     def __init__(self, workers: int = 1, gpus: list[str] | None = None):
         self.slots = local_slots(workers, detect_gpus() if gpus is None else gpus)
+        if gpus == []:  # --gpus '': no GPU on purpose, even where one is visible (one slot included)
+            for slot in self.slots:
+                slot.env.setdefault("CUDA_VISIBLE_DEVICES", "")
 
     def submit(self, job: Job, slot: Slot) -> Handle:
         return LocalHandle(job, slot)
