@@ -71,7 +71,7 @@ def session(args, workers: int, experiments: int) -> tuple[float, list]:
             subprocess.run(cmd, cwd=repo, check=True)
         settings = Settings(repo=repo, tag="bench", budget=args.budget, max_experiments=experiments,
                             proposer="__main__:SlowProposer", pipeline=args.pipeline, baseline_repeats=0,
-                            workers=workers, gpus=[])
+                            workers=workers, executor_options={"gpus": []})
         t0 = time.monotonic()
         run_loop(settings, echo=lambda line: None)
         wall = time.monotonic() - t0

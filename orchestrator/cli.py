@@ -11,7 +11,8 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from . import LoopError, __version__
+from . import LoopError, __version__, plugins
+from .executors.base import Executor
 
 try:
     import tomllib
@@ -19,23 +20,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-AGENT_PRESETS = ("aider", "claude", "codex", "gemini", "opencode")  # orchestrator.proposers.agent.PRESETS
-PROPOSER_OPTIONS = ("program", "prompt_chars", "agent", "agent_cmd", "agent_timeout", "llm_base_url", "llm_model",
-                    "llm_api_key_env", "llm_timeout", "llm_price_in", "llm_price_out")
-
-
-def check_gpus(ctx, param, value):
-    """'0,1,3' -> ['0', '1', '3']; '' -> [] (no GPU: CPU slots)."""
-    if value is None:
-        return None
-    if not str(value).strip():
-        return []
-    ids = [part.strip() for part in str(value).split(",") if part.strip()]
-    if not ids or not all(part.isdigit() for part in ids) or len(set(ids)) != len(ids):
-        raise click.BadParameter(f"{value!r} is not a list of distinct GPU ids such as 0,1,2,3")
-    return ids
-
-
+PLUGIN_KINDS = ("proposer", "executor")  # their options are declared by the plugins (orchestrator/plugins.py)
 def default_tag() -> str:
     return time.strftime("%b%d").lower()  # e.g. nov30
 
@@ -135,36 +120,11 @@ def main() -> None:
               help="Runs of one candidate at most, when it is better but inside the margin.")
 @click.option("--workers", type=click.IntRange(min=1), envvar="AUTOLOOP_WORKERS", show_envvar=True,
               help="Experiments at once (more than 1: generations, see README).  [default: one per GPU, else 1]")
-@click.option("--gpus", callback=check_gpus, envvar="AUTOLOOP_GPUS", show_envvar=True,
-              help="GPU ids for the local executor, e.g. 0,1,2,3; '' for CPU slots.  [default: detected]")
-@click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+@click.option("--executor", type=click.Choice(plugins.available("executor")), default="local", show_default=True,
               envvar="AUTOLOOP_EXECUTOR", show_envvar=True,
-              help="Where runs execute: local slots, or Ray tasks (needs the ray extra).")
-@click.option("--ray-address", envvar="AUTOLOOP_RAY_ADDRESS", show_envvar=True,
-              help="Ray cluster to join, e.g. ray://head:10001 or auto.  [default: RAY_ADDRESS, else a local Ray]")
+              help="Where runs execute: local slots, Ray tasks (needs the ray extra), inline (debugging), or a plugin.")
 @click.option("--pipeline/--no-pipeline", default=None, envvar="AUTOLOOP_PIPELINE", show_envvar=True,
               help="Prepare the next idea while an experiment trains.  [default: on for agent and llm]")
-@click.option("--program", envvar="AUTOLOOP_PROGRAM", show_envvar=True,
-              help="The research brief handed to LLM proposers.  [default: program.md in the repo]")
-@click.option("--prompt-chars", type=click.IntRange(min=2000), envvar="AUTOLOOP_PROMPT_CHARS", show_envvar=True,
-              help="Upper bound on the prompt's size in characters.  [default: 48000]")
-@click.option("--agent", type=click.Choice(sorted(AGENT_PRESETS)), envvar="AUTOLOOP_AGENT", show_envvar=True,
-              help="Coding-agent preset for --proposer agent.  [default: claude]")
-@click.option("--agent-cmd", envvar="AUTOLOOP_AGENT_CMD", show_envvar=True,
-              help="Any agent command instead of a preset; placeholders {prompt}, {prompt_file}, {workdir}.")
-@click.option("--agent-timeout", type=click.FloatRange(min=0, min_open=True), envvar="AUTOLOOP_AGENT_TIMEOUT",
-              show_envvar=True, help="Seconds an agent may take for one idea.  [default: 900]")
-@click.option("--llm-base-url", envvar="AUTOLOOP_LLM_BASE_URL", show_envvar=True,
-              help="OpenAI-compatible endpoint for --proposer llm.  [default: https://api.openai.com/v1]")
-@click.option("--llm-model", envvar="AUTOLOOP_LLM_MODEL", show_envvar=True, help="Model name for --proposer llm.")
-@click.option("--llm-api-key-env", envvar="AUTOLOOP_LLM_API_KEY_ENV", show_envvar=True,
-              help="Environment variable holding the API key.  [default: OPENAI_API_KEY; optional for localhost]")
-@click.option("--llm-timeout", type=click.FloatRange(min=0, min_open=True), envvar="AUTOLOOP_LLM_TIMEOUT",
-              show_envvar=True, help="Seconds per LLM request.  [default: 600]")
-@click.option("--llm-price-in", type=click.FloatRange(min=0), envvar="AUTOLOOP_LLM_PRICE_IN", show_envvar=True,
-              help="Dollars per million prompt tokens (for cost tracking and --max-cost).")
-@click.option("--llm-price-out", type=click.FloatRange(min=0), envvar="AUTOLOOP_LLM_PRICE_OUT", show_envvar=True,
-              help="Dollars per million completion tokens.")
 @click.option("--max-tokens", type=click.IntRange(min=1), envvar="AUTOLOOP_MAX_TOKENS", show_envvar=True,
               help="Stop once the proposer's LLM usage reaches this many tokens.")
 @click.option("--max-cost", type=click.FloatRange(min=0, min_open=True), envvar="AUTOLOOP_MAX_COST",
@@ -172,34 +132,49 @@ def main() -> None:
 @click.pass_context
 def run(ctx: click.Context, **values) -> None:
     """Run the loop until a limit, the proposer runs dry, or Ctrl-C. Re-run the same command to resume."""
-    from .loop import Settings, run_loop
+    from .loop import Settings, Terminated, run_loop
     from .noise import Gate
 
     repo = resolve_repo(values.pop("repo"))
     values = apply_pyproject(ctx, values, repo)
-    options = {k: values.pop(k) for k in PROPOSER_OPTIONS}
-    if values["gpus"] is not None and not isinstance(values["gpus"], list):  # from [tool.autoloop]
-        try:
-            values["gpus"] = check_gpus(ctx, None, values["gpus"])
-        except click.BadParameter as e:
-            raise click.ClickException(f"[tool.autoloop] gpus: {e.message}") from None
+    plugin_values = {kind: {o.name: values.pop(o.name) for o in plugins.options(kind)} for kind in PLUGIN_KINDS}
+    for option in plugins.options("executor"):  # [tool.autoloop] values arrive unconverted: run the callbacks
+        value = plugin_values["executor"][option.name]
+        if option.callback is not None and isinstance(value, str):
+            try:
+                plugin_values["executor"][option.name] = option.callback(ctx, option, value)
+            except click.BadParameter as e:
+                raise click.ClickException(f"[tool.autoloop] {option.name.replace('_', '-')}: {e.message}") from None
+    own = {o.name for o in getattr(plugins.load("executor", values["executor"], Executor), "options", ())} \
+        if values["executor"] in plugins.available("executor") else set()
+    for name, value in plugin_values["executor"].items():
+        given = ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE  # an env twin left set is no error
+        if value is not None and name not in own and given:
+            owners = [n for n in plugins.available("executor")
+                      if name in {o.name for o in getattr(plugins.load("executor", n, Executor), "options", ())}]
+            raise click.UsageError(f"--{name.replace('_', '-')} is an option of the {' / '.join(owners)} executor, "
+                                   f"not of the {values['executor']} executor")
     settings = Settings(repo=repo, tag=values["tag"] or default_tag(), budget=values["budget"],
                         timeout=values["timeout"], max_experiments=values["max_experiments"],
                         max_hours=values["max_hours"], proposer=values["proposer"], profile=values["profile"],
                         dataset=values["dataset"], seed=values["seed"], pipeline=values["pipeline"],
                         max_tokens=values["max_tokens"], max_cost=values["max_cost"],
-                        options={k: v for k, v in options.items() if v is not None},
+                        options={k: v for k, v in plugin_values["proposer"].items() if v is not None},
                         gate=Gate(values["gate"], values["gate_sigmas"], values["min_delta"], values["max_repeats"]),
                         baseline_repeats=values["baseline_repeats"], executor=values["executor"],
-                        workers=values["workers"], gpus=values["gpus"], ray_address=values["ray_address"])
-    if settings.executor != "local" and settings.gpus is not None:
-        raise click.UsageError("--gpus is for the local executor; Ray gives each task its own GPU")
+                        workers=values["workers"],
+                        executor_options={k: v for k, v in plugin_values["executor"].items()
+                                          if v is not None and k in own})
     try:
         run_loop(settings, echo=lambda line: click.echo(line))
     except LoopError as e:
         raise click.ClickException(str(e)) from None
-    except KeyboardInterrupt:
-        sys.exit(130)
+    except KeyboardInterrupt as e:  # Ctrl-C: 130; SIGTERM: 143 (128 + the signal), as shells report them
+        sys.exit(143 if isinstance(e, Terminated) else 130)
+
+
+# Options the installed proposers and executors declare (--agent, --llm-model, --gpus, --ray-address, ...).
+run.params.extend(option for kind in PLUGIN_KINDS for option in plugins.options(kind))
 
 
 @main.command()
@@ -236,10 +211,15 @@ def session_paths(repo: Path, tag: str | None):
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where progress.png and report.md go.  [default: the repo root]")
 def report(repo: Path, tag: str | None, as_json: bool, out: Path | None) -> None:
-    """Summarise a session: progress.png, report.md (or --json)."""
+    """Summarise a session: progress.png, report.md (or --json). Makes the held-out check if it is missing."""
+    from .holdout import for_report
     from .report import facts, write_report
 
     repo, paths = session_paths(repo, tag)
+    try:
+        for_report(repo, paths.tag, lambda line: click.echo(line, err=True))
+    except Exception as e:  # noqa: BLE001 - the report itself must still be written
+        click.echo(f"autoloop: held-out check not made: {type(e).__name__}: {e}", err=True)
     if as_json:
         click.echo(json.dumps(facts(paths), indent=1, default=str))
         return

@@ -178,11 +178,12 @@ class Check:
 
     @classmethod
     def start(cls, settings, env: dict[str, str]) -> Check:
-        here = settings.executor == "local" or not (settings.ray_address or env.get("RAY_ADDRESS"))
+        options = settings.executor_options
+        here = settings.executor in ("local", "inline") or not (options.get("ray_address") or env.get("RAY_ADDRESS"))
         check = cls(env=env, profile=settings.profile)
         if here and not _device_chosen(env):
             check.check_profile = settings.profile == "gpu"
-            if not _gpus_hidden(env, settings.gpus):
+            if not _gpus_hidden(env, options.get("gpus")):
                 check.driver = nvidia_smi()
                 check.check_driver = check.driver is not None
         return check

@@ -51,6 +51,7 @@ class Record:
     gate: dict = field(default_factory=dict)  # decision, runs, mean, margin, sigma (noise-aware gate)
     device: str = ""  # what it ran on, as the executor saw it (e.g. "NVIDIA H100 80GB HBM3", "cpu")
     slot: int | None = None  # the executor slot (parallel runs)
+    phase: str = ""  # where a crash happened: propose, check, train, evaluate, audit
 
 
 def _fsync_dir(path: Path) -> None:

@@ -8,12 +8,12 @@ new best with a three-way merge, and asks again if that fails.
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 from . import gitops
+from .background import Background
 from .ledger import Record
 from .proposers import Proposal, ProposalFailed, Proposer
 from .queue import apply_idea
@@ -33,17 +33,18 @@ class Prepared:
     group: int | None = None  # set for a repeat run of an earlier candidate (or of the baseline)
     planned: str = ""  # a commit of the idea in the proposal worktree (ideas of one generation see each other)
     ready: float = 0.0  # wall-clock time the idea was ready
+    waited: float = 0.0  # how long the loop waited for it (0 when it was made while others trained)
 
 
-def make_proposal(session, proposer: Proposer, base: str, history: list[Record]) -> Prepared:
+def make_proposal(ws, proposer: Proposer, base: str, history: list[Record]) -> Prepared:
     """One idea on top of `base`, made in the session's proposal worktree."""
     t0 = time.monotonic()
-    wt = session.proposal_worktree(base)
-    workdir = session.paths.proposal
+    wt = ws.proposal_worktree(base)
+    workdir = ws.paths.proposal
     prepared = Prepared(base=base)
     try:
-        idea = session.queue.next(history)
-        result = apply_idea(idea, workdir, session.profile) if idea else proposer.propose(workdir, history)
+        idea = ws.queue.next(history)
+        result = apply_idea(idea, workdir, ws.profile) if idea else proposer.propose(workdir, history)
     except ProposalFailed as e:
         result = Proposal(e.description, e.info, e.log)
         prepared.reason = e.reason
@@ -63,26 +64,30 @@ def make_proposal(session, proposer: Proposer, base: str, history: list[Record])
     return prepared
 
 
-class Prefetch:
-    """Runs make_proposal (once, or for a generation's ideas) in a daemon thread (a hung LLM call must not
-    block the controller's exit)."""
+def carry(ws, prepared: Prepared, best: str) -> Prepared | None:
+    """An idea made on an older best, re-applied on `best` (three-way); None if it does not carry over (or
+    had failed: ask again). Uses the branch worktree, which stands at `best`."""
+    if prepared.base == best or prepared.exhausted:
+        return prepared
+    if prepared.reason or gitops.carry_over(ws.wt, prepared.patch, prepared.patch_u0):
+        return None
+    prepared.patch = gitops.diff_all(ws.wt, best)
+    prepared.base = best
+    gitops.reset_to(ws.wt, best)
+    return prepared
+
+
+class Prefetch(Background):
+    """make_proposal (once, or for a generation's ideas) in a daemon thread: a hung LLM call must not block the
+    controller's exit."""
 
     def __init__(self, fn: Callable[[], object]):
-        self._value = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True, name="autoloop-prefetch")
-        self._thread.start()
-
-    def _run(self, fn):
-        try:
-            self._value = fn()
-        except BaseException as e:  # handed to the main thread by result()
-            self._error = e
+        super().__init__(fn, "autoloop-prefetch")
 
     def result(self):
         """Wait for the idea(s) (repeatable: later calls return the same)."""
-        while self._thread.is_alive():
-            self._thread.join(0.2)  # short joins keep Ctrl-C responsive
-        if self._error is not None:
-            raise self._error
-        return self._value
+        self.wait(None)
+        value, error = self.outcome()
+        if error is not None:
+            raise error
+        return value

@@ -4,10 +4,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import click
+
 from .ledger import Record
 from .session import Paths
 
 DEFAULT_PROMPT_CHARS = 48_000  # ~12k tokens: fits any model's context with room for the reply
+
+# The command-line options of the proposers that build this prompt (declared by them: orchestrator/plugins.py).
+PROMPT_OPTIONS = (
+    click.Option(["--program"], envvar="AUTOLOOP_PROGRAM", show_envvar=True,
+                 help="The research brief handed to LLM proposers.  [default: program.md in the repo]"),
+    click.Option(["--prompt-chars"], type=click.IntRange(min=2000), envvar="AUTOLOOP_PROMPT_CHARS", show_envvar=True,
+                 help="Upper bound on the prompt's size in characters.  [default: 48000]"),
+)
 FALLBACK_BRIEF = ("Lower val_bpb within the fixed training budget by editing only train.py: one idea per "
                   "experiment, no new packages, simpler is better when results tie.")
 LOG_TAIL_LINES = 40

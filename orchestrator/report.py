@@ -15,6 +15,7 @@ import pandas as pd
 from .evaluation import holdout_text
 from .ledger import read_record
 from .session import Paths
+from .state import load_state
 
 
 def load(paths: Paths) -> pd.DataFrame:
@@ -28,9 +29,8 @@ def facts(paths: Paths) -> dict:
     df = load(paths)
     records = {n: read_record(paths.run_dir(n)) for n in df["n"]}
     kept = df[df["status"] == "keep"]
-    baseline = float(kept["val_bpb"].iloc[0]) if len(kept) else None
-    best_row = kept.loc[kept["val_bpb"].idxmin()] if len(kept) else None
-    best = float(best_row["val_bpb"]) if best_row is not None else None
+    state = load_state(paths)  # best = the branch tip, as the loop, the console and `autoloop status` have it
+    baseline, best = state.baseline_bpb, state.best_bpb
     counts = Counter(df["status"])
     improvements = []
     previous = baseline
@@ -55,7 +55,7 @@ def facts(paths: Paths) -> dict:
         "keep_rate": counts.get("keep", 0) / len(df) if len(df) else 0.0,
         "baseline_bpb": baseline,
         "best_bpb": best,
-        "best_commit": best_row["commit"] if best_row is not None else None,
+        "best_commit": state.best_commit[:7] if state.best_group else None,
         "delta": best - baseline if best is not None and baseline is not None else None,
         "delta_percent": 100 * (best - baseline) / baseline if best is not None and baseline else None,
         "top_improvements": sorted(improvements, key=lambda i: i["delta"])[:10],

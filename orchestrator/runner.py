@@ -14,6 +14,7 @@ from typing import Callable
 import psutil
 
 KILL_GRACE_S = 5.0  # SIGTERM, then this long, then SIGKILL
+REAP_S = 10.0  # after SIGKILL: how long to wait for the exit before reporting the process as stuck
 
 
 @dataclass
@@ -65,6 +66,15 @@ def kill_tree(pid: int, pgid: int, grace_s: float = KILL_GRACE_S) -> dict[int, i
     return codes
 
 
+def _reap(proc: subprocess.Popen) -> None:
+    """Wait for a killed process, boundedly: one stuck in the kernel after SIGKILL is reported, not waited on."""
+    try:
+        proc.wait(timeout=REAP_S)
+    except subprocess.TimeoutExpired:
+        print(f"autoloop: warning: process {proc.pid} did not exit {REAP_S:.0f}s after SIGKILL (stuck in the "
+              "kernel, e.g. on a GPU driver); not waiting for it", flush=True)
+
+
 def run_command(cmd: list[str], cwd: Path, env: dict[str, str], log_path: Path, timeout_s: float,
                 on_start: Callable[[int], None] | None = None, on_tick: Callable[[float], None] | None = None,
                 tick_s: float = 1.0, cancel: threading.Event | None = None) -> RunResult:
@@ -93,19 +103,19 @@ def run_command(cmd: list[str], cwd: Path, env: dict[str, str], log_path: Path, 
                 if cancel is not None and cancel.is_set():
                     interrupted = True
                     reaped = kill_tree(proc.pid, pgid)
-                    proc.wait()
+                    _reap(proc)
                     break
                 if time.monotonic() - start >= timeout_s:
                     timed_out = True
                     reaped = kill_tree(proc.pid, pgid)
-                    proc.wait()
+                    _reap(proc)
                     break
                 if on_tick is not None:
                     on_tick(time.monotonic() - start)
-    except KeyboardInterrupt:
+    except BaseException:  # Ctrl-C, SIGTERM, or an error in a callback: nothing may outlive us
         interrupted = True
         kill_tree(proc.pid, pgid)
-        proc.wait()
+        _reap(proc)
         raise
     finally:
         if not interrupted and not timed_out:

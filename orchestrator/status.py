@@ -9,6 +9,7 @@ from . import LoopError
 from .ledger import read_rows
 from .progress import last_step
 from .session import Paths, is_locked, latest_tag, read_status
+from .state import load_state
 
 
 def collect(repo: Path, tag: str | None) -> dict:
@@ -20,26 +21,34 @@ def collect(repo: Path, tag: str | None) -> dict:
         raise LoopError(f"no session with tag {tag!r} in {repo}")
     status = read_status(paths)
     rows = read_rows(paths.ledger)
-    kept = [r for r in rows if r.status == "keep"]
+    state = load_state(paths)  # the same derivation as the loop's, the report's and the console's
     running = is_locked(paths.lock)
+    sigma = state.sigma()
     info = {
         "tag": tag,
         "running": running,
         "phase": status.get("phase") if running else (status.get("phase") or "idle"),
         "experiments": len(rows),
-        "keeps": len(kept),
+        "keeps": sum(r.status == "keep" for r in rows),
         "crashes": sum(r.status == "crash" for r in rows),
-        "baseline_bpb": kept[0].val_bpb if kept else None,
-        "best_bpb": min((r.val_bpb for r in kept), default=None),
-        "best_commit": min(kept, key=lambda r: r.val_bpb).commit if kept else None,
-        "sigma": status.get("sigma"),
-        "sigma_dof": status.get("sigma_dof"),
+        "baseline_bpb": state.baseline_bpb,
+        "best_bpb": state.best_bpb,
+        "best_commit": state.best_commit[:7] if state.best_group else None,
+        "sigma": sigma.value,
+        "sigma_dof": sigma.dof,
         "current": None,
         "slots": [],
         "recent": [r.__dict__ for r in rows[-5:]],
     }
-    if running and status.get("running"):  # parallel runs: one entry per busy slot
-        for item in status["running"]:
+    busy = status.get("running") or []
+    if running and len(busy) == 1:  # one run: the current experiment
+        item = busy[0]
+        step = last_step(paths.run_dir(item["n"]) / "run.log")
+        info["current"] = {"n": item["n"], "phase": status.get("phase"), "description": item["description"],
+                           "elapsed_s": round(time.time() - item["started"], 1), "budget_s": status.get("budget"),
+                           "step": step[0] if step else None, "loss": step[2] if step else None}
+    elif running and busy:  # parallel runs: one entry per busy slot
+        for item in busy:
             step = last_step(paths.run_dir(item["n"]) / "run.log")
             info["slots"].append({"n": item["n"], "slot": item["slot"], "description": item["description"],
                                   "elapsed_s": round(time.time() - item["started"], 1),

@@ -47,7 +47,7 @@ def test_bad_usage_exits_2_and_user_errors_exit_1(tmp_path):
     bad_gpus = autoloop("run", "--gpus", "0,x", "--repo", str(tmp_path))
     assert bad_gpus.returncode == 2 and "0,1,2,3" in bad_gpus.stderr
     ray_gpus = autoloop("run", "--executor", "ray", "--gpus", "0", "--repo", str(tmp_path))
-    assert ray_gpus.returncode == 2 and "--gpus is for the local executor" in ray_gpus.stderr
+    assert ray_gpus.returncode == 2 and "--gpus is an option of the local executor" in ray_gpus.stderr
 
 
 def test_more_workers_than_gpus_is_a_clear_error(fake_repo):
@@ -69,6 +69,9 @@ def test_precedence_cli_over_env_over_pyproject(tmp_path):
     assert "budget 5s" in proc.stdout  # environment beats pyproject
     assert len(read_rows(repo / ".autoloop" / "fromcli" / "results.tsv")) == 2  # pyproject beats the default
     assert "timeout 130s" in proc.stdout  # default: 2 x budget + 120
+    both = autoloop("run", "--repo", str(repo), "--tag", "fromcli2", "--budget", "3", "--max-experiments", "1",
+                    env=env)
+    assert both.returncode == 0 and "budget 3s" in both.stdout, both.stdout + both.stderr  # command line beats env
 
 
 def test_unknown_pyproject_key_is_a_clear_error(tmp_path):
@@ -93,24 +96,31 @@ def test_status_of_a_finished_session(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_end_to_end_with_the_real_train_py(tiny_env, tmp_path):
-    """`autoloop run` in a repo holding the project's prepare.py and train.py (tiny profile, CPU)."""
+    """`autoloop run` with the default noise gate in a repo holding the project's prepare.py and train.py (tiny
+    profile, CPU): the baseline and its repeats measure σ, then two queued edits train for real."""
     repo = tmp_path / "proj"
     make_repo(repo, {name: (ROOT / name).read_text() for name in ("prepare.py", "train.py", ".gitignore")})
-    env = dict(tiny_env, **{k: v for k, v in subprocess_env().items() if k in ("PYTHONPATH", "AUTOLOOP_BASELINE_REPEATS")})
+    env = dict(tiny_env, PYTHONPATH=subprocess_env()["PYTHONPATH"])  # no AUTOLOOP_BASELINE_REPEATS: the default
     user = git.Repo(repo)
     before = user.git.status("--porcelain")
-    proc = autoloop("run", "--repo", str(repo), "--budget", "2", "--max-experiments", "3", "--tag", "e2e",
+    for name, value in (("MATRIX_LR", "0.03"), ("WARMDOWN_RATIO", "0.4")):
+        assert autoloop("queue", "add", f"{name} to {value}", "--set", f"{name}={value}", "--repo", str(repo),
+                        env=env).returncode == 0
+    proc = autoloop("run", "--repo", str(repo), "--budget", "2", "--max-experiments", "5", "--tag", "e2e",
                     "--proposer", "perturb", env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = read_rows(repo / "results.tsv")
-    assert len(rows) == 3 and rows[0].description == "baseline" and rows[0].status == "keep"
-    assert rows[0].val_bpb > 0 and all(" -> " in r.description for r in rows[1:])
+    assert [r.description.split(" (")[0] for r in rows] == ["baseline", "baseline", "baseline", "MATRIX_LR to 0.03",
+                                                            "WARMDOWN_RATIO to 0.4"]
+    assert rows[0].status == "keep" and [r.status for r in rows[1:3]] == ["discard", "discard"]
+    assert all(r.status != "crash" and r.val_bpb > 0 for r in rows), rows  # the edits really trained
+    assert "noise: σ = " in autoloop("status", "--repo", str(repo), env=env).stdout  # measured by the repeats
     assert user.git.status("--porcelain") == before
     branch = user.heads["autoloop/e2e"].commit.hexsha
     for r in rows:
         assert user.is_ancestor(user.commit(r.commit).hexsha, branch) == (r.status == "keep")
     summary = [line for line in proc.stdout.splitlines() if line.startswith("autoloop: stopped")]
-    assert len(summary) == 1 and "3 experiments" in summary[0], proc.stdout
+    assert len(summary) == 1 and "5 experiments" in summary[0], proc.stdout
 
 
 @pytest.mark.timeout(300)
@@ -119,6 +129,7 @@ def test_two_workers_with_the_real_train_py(tiny_env, tmp_path):
     repo = tmp_path / "proj"
     make_repo(repo, {name: (ROOT / name).read_text() for name in ("prepare.py", "train.py", ".gitignore")})
     env = dict(tiny_env, **{k: v for k, v in subprocess_env().items() if k in ("PYTHONPATH", "AUTOLOOP_BASELINE_REPEATS")})
+    assert autoloop("queue", "add", "lower LR", "--set", "MATRIX_LR=0.03", "--repo", str(repo), env=env).returncode == 0
     proc = autoloop("run", "--repo", str(repo), "--budget", "2", "--max-experiments", "4", "--tag", "w2",
                     "--workers", "2", "--proposer", "perturb", env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -126,6 +137,7 @@ def test_two_workers_with_the_real_train_py(tiny_env, tmp_path):
     rows = read_rows(repo / "results.tsv")
     assert [r.status for r in rows[:2]] == ["keep", "discard"] and len(rows) == 4
     assert all(r.val_bpb > 0 for r in rows if r.status != "crash")
+    assert any(r.status != "crash" for r in rows[2:]), rows  # at least one edit really trained
     paths = Paths(repo, "w2")
     records = [read_record(paths.run_dir(n)) for n in range(1, 5)]
     for a, b in ((0, 1), (2, 3)):  # each generation's two runs overlapped in time, on different slots

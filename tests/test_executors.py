@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-import executor_contract as contract
+from orchestrator import contract
 from orchestrator.executors import LocalExecutor, make_executor
 from orchestrator.executors.local import local_slots
 
@@ -39,6 +39,27 @@ def test_ray_executor(check, ray_executor, code, tmp_path):
     check(ray_executor, code, tmp_path)
 
 
+def test_the_inline_debug_executor_passes_the_shipped_contract(tmp_path):
+    from orchestrator.executors.inline import InlineExecutor
+
+    contract.check_executor(make_executor("inline"), tmp_path)
+    assert isinstance(make_executor("inline"), InlineExecutor) and len(make_executor("inline").slots) == 1
+    with pytest.raises(ValueError, match="one slot"):
+        make_executor("inline", workers=2)
+
+
+def test_executors_are_plugins(tmp_path):
+    """Built-ins are registered like third-party executors; an unknown name lists them."""
+    from orchestrator import LoopError, plugins
+
+    assert {"local", "ray", "inline"} <= set(plugins.available("executor"))
+    assert {o.name for o in plugins.options("executor")} >= {"gpus", "ray_address"}  # declared by the executors
+    with pytest.raises(LoopError, match="unknown executor 'nope'; available: .*inline.*local"):
+        make_executor("nope")
+    local = make_executor("local", 2, {"gpus": []})
+    assert [s.label for s in local.slots] == ["cpu", "cpu"]
+
+
 def test_local_slots_pin_their_gpus(code, tmp_path):
     seen = contract.check_own_gpus(LocalExecutor(workers=2, gpus=["3", "5"]), code, tmp_path)
     assert seen == ["'3'", "'5'"]
@@ -57,8 +78,3 @@ def test_cpu_slots_share_the_cores():
 def test_ray_tasks_get_their_own_gpu(ray_executor, code, tmp_path):
     seen = contract.check_own_gpus(ray_executor, code, tmp_path)
     assert sorted(seen) == ["'0'", "'1'"]
-
-
-def test_unknown_executor():
-    with pytest.raises(ValueError, match="choose one of: local, ray"):
-        make_executor("slurm")

@@ -167,22 +167,29 @@ def test_prompt_stays_bounded_with_500_rows(tmp_path):
     assert f"#{best.n} " in prompt  # the best row survives the cut
 
 
-def test_pipelining_prepares_the_next_idea_while_training(fake_repo):
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_pipelining_prepares_the_next_idea_while_training(fake_repo, pipeline):
     repo = fake_repo(fakes.ok(1.0, sleep=1.5))
     replies = [edit("BPB = 1.0  # [0.1, 10.0]", "BPB = 0.9  # [0.1, 10.0]", "first"),
                edit('print("step 00001 | loss: 1.0")', 'print("step 00001 | loss: 0.5")', "second, made on the old best"),
                edit('print("step 00001 | loss: 1.0")', 'print("step 00001 | loss: 0.4")', "third")]
     with FakeOpenAI(replies) as server:
         options = {"llm_base_url": server.base_url, "llm_model": "m"}
-        run_loop(settings(repo, "llm", max_experiments=4, options=options), echo=quiet)
+        run_loop(settings(repo, "llm", max_experiments=4, options=options, pipeline=pipeline), echo=quiet)
         asked = [t for t, _ in server.requests]
     paths = Paths(repo, "l")
     records = [read_record(paths.run_dir(n)) for n in range(1, 5)]
     rows = read_rows(repo / "results.tsv")
     assert [r.description for r in rows] == ["baseline", "first", "second, made on the old best", "third"]
-    # the idea for experiment 3 was requested while experiment 2 was still training
-    train_end_2 = records[1].started + sum(records[1].timings.values())
-    assert asked[1] < train_end_2
+    # experiment 2 trained from `submitted` (an epoch time) for timings["train"] seconds (1.5 s of it sleeping)
+    train_start_2 = records[1].timings["submitted"]
+    train_end_2 = train_start_2 + records[1].timings["train"]
+    assert records[1].timings["train"] > 1.5
+    if not pipeline:  # the idea for experiment 3 is asked for only once experiment 2 is done
+        assert asked[1] > train_end_2 and records[2].timings["propose_wait"] > 0
+        return
+    # the idea for experiment 3 was requested while experiment 2 was still training, and was ready in time
+    assert train_start_2 < asked[1] < train_end_2
     assert records[2].timings["propose_wait"] < 0.5
     # experiment 2 was kept; the prefetched idea was re-applied on top of it, so both edits are in #3
     assert records[1].status == "keep" and records[2].parent == records[1].commit

@@ -162,3 +162,63 @@ def test_max_hours_stops_starting_new_experiments(fake_repo, plan):
     state = run_loop(settings(repo_path, max_hours=1.0 / 3600), echo=lines.append)  # one second
     assert 1 <= state.done <= 3
     assert "reached --max-hours" in lines[-1]
+
+
+def test_five_ideas_in_a_row_failing_before_training_stop_the_loop(fake_repo, plan):
+    repo = fake_repo(fakes.ok(1.0))
+    plan([{"description": f"bad {i}", "raise": "no idea"} for i in range(6)])
+    with pytest.raises(LoopError, match="the last 5 ideas all failed before training .*proposer error"):
+        run_loop(settings(repo), echo=lambda _: None)
+    rows = read_rows(repo / "results.tsv")
+    assert [r.status for r in rows] == ["keep"] + ["crash"] * 5  # the sixth idea was never asked for
+    records = [read_record(Paths(repo, "t1").run_dir(n)) for n in range(2, 7)]
+    assert {r.phase for r in records} == {"propose"}  # each crash says where it happened
+
+
+def test_a_crashed_baseline_run_again_on_resume_is_the_baseline(fake_repo, plan, tmp_path):
+    """#1 crashes (the loop stops); the resumed session's baseline is #2: status, report and σ repeats use it."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import subprocess_env
+
+    flaky = (f'import os\np = {str(tmp_path / "count")!r}\nk = int(open(p).read()) if os.path.exists(p) else 0\n'
+             'open(p, "w").write(str(k + 1))\nif k == 0:\n    raise SystemExit("the first run crashes")\n'
+             + fakes.ok(1.0).replace("BPB = 1.0", "BPB = [1.0, 1.0, 1.02, 0.98][min(k, 3)]"))
+    repo = fake_repo(flaky)
+    plan([{"description": "better", "train": fakes.ok(0.5)}])
+    with pytest.raises(LoopError, match="baseline crashed"):
+        run_loop(settings(repo, baseline_repeats=2), echo=lambda _: None)
+    state = run_loop(settings(repo, baseline_repeats=2), echo=lambda _: None)
+    rows = read_rows(repo / "results.tsv")
+    assert [r.description.split(" (1 run")[0] for r in rows] == [
+        "baseline [crash: exit code 1: the first run crashes]", "baseline (retry)", "baseline (repeat 2/3)",
+        "baseline (repeat 3/3)", "better"]
+    assert state.baseline_run == 2 and state.baseline_bpb == pytest.approx(1.0) and state.best_run == 5
+    for command in (["status", "--json"], ["report", "--json"]):
+        proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", *command, "--repo", str(repo)],
+                              capture_output=True, text=True, env=subprocess_env(), timeout=120)
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+        assert json.loads(proc.stdout)["baseline_bpb"] == pytest.approx(1.0)
+
+
+def test_one_slot_resumed_on_another_device_recovers(fake_repo, plan, tmp_path, monkeypatch):
+    """Runs are compared only on one device type: after a move to another GPU model the first idea cannot be
+    judged (its row says why), then the best runs there once, and later ideas are judged again."""
+    repo = fake_repo(fakes.ok(1.0))
+    plan([{"description": "better", "train": fakes.ok(0.5)}, {"description": "lost", "train": fakes.ok(0.45)},
+          {"description": "best", "train": fakes.ok(0.4)}])
+    run_loop(settings(repo, max_experiments=2), echo=lambda _: None)  # on the CPU
+    smi = tmp_path / "bin" / "nvidia-smi"  # now a (fake) GPU machine, on which the runs are labelled
+    smi.parent.mkdir()
+    smi.write_text('#!/bin/sh\ncase "$*" in *query-gpu*) echo "FakeGPU 80GB";; *) exit 9;; esac\n')
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{smi.parent}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    run_loop(settings(repo, max_experiments=5), echo=lambda _: None)
+    rows = read_rows(repo / "results.tsv")
+    assert [read_record(Paths(repo, "t1").run_dir(n)).device for n in (3, 4, 5)] == ["FakeGPU 80GB"] * 3
+    assert rows[2].description == "lost [no run of the best on FakeGPU 80GB to compare with]"
+    assert rows[3].description.startswith("parent (repeat: no run of the best on FakeGPU 80GB yet)")
+    assert rows[4].description.startswith("best") and rows[4].status == "keep"  # judged against #4

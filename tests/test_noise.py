@@ -113,3 +113,21 @@ def test_strict_gate_keeps_any_lower_value(gate_repo):
     rows = read_rows(gate_repo / "results.tsv")
     # strict: 1.000 then 1.010 (A: worse), 0.990 (B: kept), 0.995 (C), 0.990 (D: not lower)
     assert [r.status for r in rows] == ["keep", "discard", "keep", "discard", "discard"]
+
+
+def test_the_margin_is_pinned():
+    """2 standard errors of the difference, widened by the Student-t factor while σ rests on few runs."""
+    import math
+
+    from orchestrator.noise import Gate, Sigma, judge
+
+    best = [1.000, 1.010, 0.990]
+    few = judge([0.95], best, Sigma(0.01, 2), Gate(), shorter=False)
+    assert few.margin == pytest.approx(2 * (4.303 / 1.96) * 0.01 * math.sqrt(1 + 1 / 3))  # 0.0507
+    assert few.decision == "rerun" and few.delta == pytest.approx(0.05)
+    many = judge([0.95], best, Sigma(0.01, 40), Gate(), shorter=False)
+    assert many.margin == pytest.approx(2 * 0.01 * math.sqrt(1 + 1 / 3)) and many.decision == "keep"
+    floor = judge([0.95], best, Sigma(0.0001, 40), Gate(min_delta=0.06), shorter=False)
+    assert floor.margin == 0.06 and floor.decision == "rerun"
+    assert judge([0.95, 0.95, 0.95], best, Sigma(0.01, 2), Gate(), shorter=False).decision == "keep"
+    assert judge([1.005], best, Sigma(0.01, 2), Gate(), shorter=True).why.startswith("simplification")

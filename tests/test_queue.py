@@ -50,7 +50,7 @@ def test_queue_cli_and_queue_proposer_end_to_end(tmp_path):
 
 def test_idea_queued_while_the_loop_runs_is_taken_next(tmp_path):
     repo = tmp_path / "repo"
-    slow = FAKE_TRAIN.replace("import math", "import math, time\ntime.sleep(1.5)")
+    slow = FAKE_TRAIN.replace("import math", "import math, time\ntime.sleep(4.0)")  # room for `queue add`
     make_repo(repo, {"train.py": slow})
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "run", "--repo", str(repo), "--tag", "live",
                              "--budget", "1", "--max-experiments", "4"], env=subprocess_env(),

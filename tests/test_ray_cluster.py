@@ -11,7 +11,7 @@ import pytest
 import fakes
 from orchestrator.ledger import read_record, read_rows
 from orchestrator.loop import Settings, run_loop
-from orchestrator.session import Paths
+from orchestrator.session import Paths, read_status
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -42,9 +42,10 @@ def test_node_lost_mid_run_is_retried_not_recorded_as_a_crash(cluster, fake_repo
 
     def lose_a_node() -> None:
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and len(read_rows(paths.ledger)) < 2:
+        while time.monotonic() < deadline and not (len(read_rows(paths.ledger)) >= 2 and len(
+                (read_status(paths).get("running") or [])) == 2):
             time.sleep(0.2)
-        time.sleep(4.0)  # the two ideas are now training, on two of the three GPU nodes
+        time.sleep(2.0)  # the two ideas are now training (status lists both), on two of the three GPU nodes
         for node in nodes[:2]:  # at least one of them holds a running idea
             c.remove_node(node, allow_graceful=False)
         lost.set()

@@ -47,7 +47,7 @@ RUNTIME = [  # caught by the harness's own evaluation and the clock audit
      "did not call prepare.evaluate_bpb"),
     ("sneaky smaller eval", after_imports('import sys as _s\nsetattr(_s.modules["prepare"], "EVAL_" + "TOKENS", 64)'),
      "changed the harness: EVAL_TOKENS"),
-    ("slow clock", edited("training_time += dt", "training_time += dt * 0.05"), "budget exceeded"),
+    ("slow clock", edited("training_time += dt", "training_time += dt * 0.02"), "budget exceeded"),
 ]
 
 
@@ -74,7 +74,7 @@ def test_tampering_edits_are_crashes_and_honest_edits_pass(tiny_env, tmp_path, m
     plan.append({"description": "honest", "train": honest})
     monkeypatch.setenv("AUTOLOOP_TEST_PLAN", str(fakes.write_plan(tmp_path / "plan.json", plan)))
     run_loop(Settings(repo=repo, tag="trust", budget=0.5, proposer="fakes:Scripted", baseline_repeats=0,
-                      startup_allowance=8.0), echo=lambda line: None)
+                      startup_allowance=15.0), echo=lambda line: None)
     rows = read_rows(repo / "results.tsv")
     assert rows[0].status == "keep" and rows[0].description == "baseline"
     for row, (name, _, expected) in zip(rows[1:], steps):
@@ -108,3 +108,15 @@ def test_held_out_check_at_the_end_of_a_session(tiny_env, tmp_path, monkeypatch)
     assert holdout["baseline"]["n"] == 1 and holdout["best"]["n"] == 2
     assert holdout["best"]["holdout_bpb"] < holdout["baseline"]["holdout_bpb"]
     assert any(line.startswith("autoloop: held-out check: baseline") for line in lines)
+    # `autoloop report` makes the check when a session has none (e.g. it ended with Ctrl-C): the same numbers
+    (Paths(repo, "h").state / "holdout.json").unlink()
+    import subprocess
+    import sys
+
+    from conftest import subprocess_env
+    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "report", "--repo", str(repo), "--json"],
+                          capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    assert proc.returncode == 0 and "held-out check: baseline" in proc.stderr, proc.stderr
+    again = __import__("json").loads(proc.stdout)["holdout"]
+    assert again["best"]["holdout_bpb"] == holdout["best"]["holdout_bpb"]
+    assert again["baseline"]["holdout_bpb"] == holdout["baseline"]["holdout_bpb"]

@@ -97,8 +97,17 @@ class Handle:
 
 
 class Executor:
+    """Runs jobs on its slots. Registered in the entry-point group `autoloop.executors` (orchestrator/plugins.py);
+    `options` are the click.Option objects `autoloop run` offers for it, handed to `create` by name."""
+
     name = "base"
     slots: list[Slot]
+    options: tuple = ()
+
+    @classmethod
+    def create(cls, workers: int | None, options: dict) -> "Executor":
+        """The executor for `--workers` (None: its own default) and the values of its options."""
+        return cls(workers=workers, **{k: v for k, v in options.items() if v is not None})
 
     def submit(self, job: Job, slot: Slot) -> Handle:
         raise NotImplementedError

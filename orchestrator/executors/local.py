@@ -10,6 +10,9 @@ import os
 import subprocess
 import threading
 
+import click
+
+from ..background import Background
 from .base import Executor, Handle, Job, JobResult, Slot, run_steps
 
 
@@ -49,42 +52,58 @@ def local_slots(workers: int, gpus: list[str] | None) -> list[Slot]:
 
 
 class LocalHandle(Handle):
+    """A job running in a thread of this process (waited for with an Event: orchestrator/background.py)."""
+
     def __init__(self, job: Job, slot: Slot):
         self._cancel = threading.Event()
-        self._result: JobResult | None = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(job, slot), daemon=True,
-                                        name=f"autoloop-slot-{slot.index}")
-        self._thread.start()
+        self._job = Background(lambda: self._run(job, slot), f"autoloop-slot-{slot.index}")
 
-    def _run(self, job: Job, slot: Slot) -> None:
-        try:
-            self._result = run_steps(job, job.workdir, job.out_dir, slot.env, self._cancel)
-            self._result.slot = slot.index
-        except Exception as e:  # noqa: BLE001 - reported as an infrastructure failure, never lost
-            self._error = e
+    def _run(self, job: Job, slot: Slot) -> JobResult:
+        result = run_steps(job, job.workdir, job.out_dir, slot.env, self._cancel)
+        result.slot = slot.index
+        return result
 
     def done(self) -> bool:
-        return not self._thread.is_alive()
+        return self._job.done()
 
     def wait(self, timeout: float) -> bool:
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        return self._job.wait(timeout)
 
     def result(self, timeout: float | None = None) -> JobResult:
-        self._thread.join(timeout)
-        if self._thread.is_alive():
+        if not self._job.wait(timeout):
             raise TimeoutError("the job is still running")
-        if self._result is None:
-            return JobResult(infra_error=f"{type(self._error).__name__}: {self._error}")
-        return self._result
+        value, error = self._job.outcome()
+        if error is not None:  # reported as an infrastructure failure, never lost
+            return JobResult(infra_error=f"{type(error).__name__}: {error}")
+        return value
 
     def cancel(self) -> None:
         self._cancel.set()
 
 
+def check_gpus(ctx, param, value):
+    """'0,1,3' -> ['0', '1', '3']; '' -> [] (no GPU: CPU slots)."""
+    if value is None or isinstance(value, list):
+        return value
+    if not str(value).strip():
+        return []
+    ids = [part.strip() for part in str(value).split(",") if part.strip()]
+    if not ids or not all(part.isdigit() for part in ids) or len(set(ids)) != len(ids):
+        raise click.BadParameter(f"{value!r} is not a list of distinct GPU ids such as 0,1,2,3")
+    return ids
+
+
 class LocalExecutor(Executor):
     name = "local"
+    options = (click.Option(["--gpus"], callback=check_gpus, envvar="AUTOLOOP_GPUS", show_envvar=True,
+                            help="GPU ids for the local executor, e.g. 0,1,2,3; '' for CPU slots.  [default: "
+                                 "detected]"),)
+
+    @classmethod
+    def create(cls, workers: int | None, options: dict) -> "LocalExecutor":
+        gpus = options.get("gpus")
+        detected = detect_gpus() if gpus is None else gpus
+        return cls(workers or max(1, len(detected)), gpus if gpus is not None else detected or None)
 
     def __init__(self, workers: int = 1, gpus: list[str] | None = None):
         self.slots = local_slots(workers, detect_gpus() if gpus is None else gpus)

@@ -18,6 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import click
+
 from .base import Executor, Handle, Job, JobResult, Slot, StepResult, run_steps
 
 SHIPPED_ENV = ("PYTHONUNBUFFERED", "OMP_NUM_THREADS")  # besides every AUTOLOOP_* variable
@@ -121,6 +123,13 @@ class RayHandle(Handle):
 
 class RayExecutor(Executor):
     name = "ray"
+    options = (click.Option(["--ray-address"], envvar="AUTOLOOP_RAY_ADDRESS", show_envvar=True,
+                            help="Ray cluster to join, e.g. ray://head:10001 or auto.  [default: RAY_ADDRESS, else "
+                                 "a local Ray]"),)
+
+    @classmethod
+    def create(cls, workers: int | None, options: dict) -> "RayExecutor":
+        return cls(address=options.get("ray_address"), workers=workers)
 
     def __init__(self, address: str | None = None, workers: int | None = None, gpus_per_task: float | None = None,
                  prepare: bool = True, init_kwargs: dict | None = None):

@@ -13,9 +13,11 @@ import shlex
 import shutil
 from pathlib import Path
 
+import click
+
 from .. import LoopError
 from ..ledger import Record
-from ..prompt import DEFAULT_PROMPT_CHARS, build_prompt, read_program
+from ..prompt import DEFAULT_PROMPT_CHARS, PROMPT_OPTIONS, build_prompt, read_program
 from ..runner import run_command
 from ..session import Paths
 from ..summary import last_error_line
@@ -58,6 +60,15 @@ def agent_argv(options: dict) -> list[str]:
 class AgentProposer(Proposer):
     name = "agent"
     pipeline = True
+    options = (
+        *PROMPT_OPTIONS,
+        click.Option(["--agent"], type=click.Choice(sorted(PRESETS)), envvar="AUTOLOOP_AGENT", show_envvar=True,
+                     help="Coding-agent preset for --proposer agent.  [default: claude]"),
+        click.Option(["--agent-cmd"], envvar="AUTOLOOP_AGENT_CMD", show_envvar=True,
+                     help="Any agent command instead of a preset; placeholders {prompt}, {prompt_file}, {workdir}."),
+        click.Option(["--agent-timeout"], type=click.FloatRange(min=0, min_open=True), envvar="AUTOLOOP_AGENT_TIMEOUT",
+                     show_envvar=True, help="Seconds an agent may take for one idea.  [default: 900]"),
+    )
 
     def __init__(self, context: Context):
         super().__init__(context)

@@ -50,6 +50,7 @@ class Proposer:
 
     name = "proposer"
     pipeline = False  # slow proposers (LLMs, agents) set True: the next idea is prepared while one trains
+    options: tuple = ()  # click.Option objects `autoloop run` offers for it; their values are context.options
 
     def __init__(self, context: Context):
         self.context = context

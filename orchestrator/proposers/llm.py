@@ -12,9 +12,11 @@ import re
 from pathlib import Path
 from urllib.parse import urlparse
 
+import click
+
 from .. import LoopError
 from ..ledger import Record
-from ..prompt import DEFAULT_PROMPT_CHARS, build_prompt, read_program
+from ..prompt import DEFAULT_PROMPT_CHARS, PROMPT_OPTIONS, build_prompt, read_program
 from ..session import Paths
 from .base import Context, Proposal, ProposalFailed, Proposer
 
@@ -90,6 +92,22 @@ def _is_local(url: str) -> bool:
 class LLMProposer(Proposer):
     name = "llm"
     pipeline = True
+    options = (
+        *PROMPT_OPTIONS,
+        click.Option(["--llm-base-url"], envvar="AUTOLOOP_LLM_BASE_URL", show_envvar=True,
+                     help="OpenAI-compatible endpoint for --proposer llm.  [default: https://api.openai.com/v1]"),
+        click.Option(["--llm-model"], envvar="AUTOLOOP_LLM_MODEL", show_envvar=True,
+                     help="Model name for --proposer llm."),
+        click.Option(["--llm-api-key-env"], envvar="AUTOLOOP_LLM_API_KEY_ENV", show_envvar=True,
+                     help="Environment variable holding the API key.  [default: OPENAI_API_KEY; optional for "
+                          "localhost]"),
+        click.Option(["--llm-timeout"], type=click.FloatRange(min=0, min_open=True), envvar="AUTOLOOP_LLM_TIMEOUT",
+                     show_envvar=True, help="Seconds per LLM request.  [default: 600]"),
+        click.Option(["--llm-price-in"], type=click.FloatRange(min=0), envvar="AUTOLOOP_LLM_PRICE_IN",
+                     show_envvar=True, help="Dollars per million prompt tokens (for cost tracking and --max-cost)."),
+        click.Option(["--llm-price-out"], type=click.FloatRange(min=0), envvar="AUTOLOOP_LLM_PRICE_OUT",
+                     show_envvar=True, help="Dollars per million completion tokens."),
+    )
 
     def __init__(self, context: Context):
         super().__init__(context)

@@ -1,0 +1,122 @@
+"""The held-out check: the baseline's and the best's saved models scored on the held-out split that no decision
+ever used, each with its own train.py, so that over-fitting the validation split by selection shows."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+from .evaluation import holdout_text, parse_evaluation
+from .executors import OUT, PYTHON, Executor, Job
+from .ledger import write_json_atomic
+from .state import State, group_of
+
+MAX_ATTEMPTS = 4  # the executor may fail (a lost node); the evaluation itself is not retried
+
+
+def due(ws, state: State) -> bool:
+    """Is there a best other than the baseline, with saved models, and no check of it yet?"""
+    if not (ws.info and ws.info.artifacts) or state.best_run in (0, state.baseline_run):
+        return False
+    try:
+        done = json.loads((ws.paths.state / "holdout.json").read_text())
+        return done.get("best", {}).get("n") != state.best_run or bool(done.get("error"))
+    except (OSError, ValueError, AttributeError):
+        return True
+
+
+def holdout_check(ws, executor: Executor, state: State, echo: Callable[[str], None]) -> dict | None:
+    """Run the check if it is due; write holdout.json and print one line. None when there is nothing to check."""
+    if not due(ws, state):
+        return None
+    result: dict = {}
+    for name, n in (("baseline", state.baseline_run), ("best", state.best_run)):
+        record = next(r for r in state.records if r.n == n)
+        artifact = ws.paths.run_dir(n) / "model.pt"
+        value, why = (evaluate(ws, executor, record.commit, artifact, ws.paths.state / "holdout" / str(n))
+                      if artifact.exists() else (None, f"the saved model of #{n} is gone"))
+        runs = state.runs(group_of(record))
+        result[name] = {"n": n, "commit": record.commit, "holdout_bpb": value,
+                        "val_bpb": runs[-1] if name == "best" and runs else state.baseline_bpb}
+        if value is None:
+            result["error"] = f"{name} (#{n}): {why}"
+            break
+    write_json_atomic(ws.paths.state / "holdout.json", result)
+    echo(f"autoloop: held-out check: {holdout_text(result)}")
+    return result
+
+
+def evaluate(ws, executor: Executor, commit: str, artifact: Path, out: Path) -> tuple[float | None, str]:
+    """The held-out bits per byte of a saved model, measured by prepare.py at `commit`, on the executor's first
+    slot (on a cluster the model travels to a GPU node; nothing is evaluated on the controller's CPU)."""
+    try:
+        ws.proposal_worktree(commit)
+    except Exception as e:  # noqa: BLE001 - e.g. a copied .autoloop/ whose worktrees are gone
+        return None, f"cannot check out {commit[:7]}: {str(e).strip().splitlines()[-1][:200]}"
+    job = Job(steps=[[PYTHON, "prepare.py", "--evaluate", f"{OUT}/model.pt", "--split", "holdout"]],
+              logs=["eval.log"], env={k: v for k, v in ws.env.items() if k != "AUTOLOOP_EVAL_ARTIFACT"},
+              timeout_s=ws.settings.hard_timeout, workdir=ws.paths.proposal, out_dir=out,
+              inputs={"model.pt": artifact})
+    job.on_start = lambda pid: ws.track_pid("holdout", pid, time.time())  # killed on the way out if need be
+    for _ in range(MAX_ATTEMPTS):
+        handle = executor.submit(job, executor.slots[0])
+        try:
+            result = handle.result()
+        except BaseException:
+            handle.cancel()
+            with contextlib.suppress(TimeoutError):
+                handle.result(timeout=30.0)
+            raise
+        if not result.infra_error:
+            break
+    if result.infra_error or not result.steps:
+        return None, f"the executor failed: {result.infra_error}"
+    step = result.steps[0]
+    if step.timed_out:
+        return None, f"the harness evaluation timed out after {job.timeout_s:.0f}s"
+    value, why = parse_evaluation(step.log.read_text(errors="replace") if step.log.exists() else "", "holdout")
+    (out / "model.pt").unlink(missing_ok=True)  # a copy of the input
+    return value, why
+
+
+def for_report(repo: Path, tag: str, echo: Callable[[str], None]) -> dict | None:
+    """`autoloop report`: make the check for a session that has none for its current best (it ended with Ctrl-C
+    before the check, or the check was skipped), with the environment its runs had. Not while a loop runs on
+    the tag (that loop makes its own), and not for a session recorded before its environment was kept."""
+    from .executors import LocalExecutor
+    from .harness import HarnessInfo
+    from .session import Lock, Paths
+    from .settings import Settings
+    from .state import load_state
+    from .workspace import Workspace
+
+    paths = Paths(repo, tag)
+    try:
+        session = json.loads(paths.session.read_text())
+    except (OSError, ValueError):
+        return None
+    if not session.get("artifacts") or not session.get("env"):
+        return None
+    lock = Lock(paths.lock)
+    try:
+        lock.acquire()
+    except Exception:  # noqa: BLE001 - a loop holds the tag
+        return None
+    try:
+        ws = Workspace(Settings(repo=repo, tag=tag), echo)
+        ws.env.update(session["env"])
+        ws.info = HarnessInfo(None, None, None, True)
+        state = load_state(paths)
+        if not due(ws, state):
+            return None
+        echo("autoloop: this session has no held-out check for its best yet: making it ...")
+        executor = LocalExecutor(1)
+        try:
+            return holdout_check(ws, executor, state, echo)
+        finally:
+            executor.close()
+    finally:
+        lock.release()

@@ -1,0 +1,138 @@
+"""Deciding a finished generation: a pure function of (state, finished runs, gate settings).
+
+- The first generation: the first good run is the baseline (kept), the others are its repeats.
+- A run of the best itself (kind "parent") only measures σ and sharpens the best's mean.
+- One candidate in a generation is judged directly against the best: keep, run again (inside the margin), or
+  discard. Several candidates at once: the best of them that beats the best is only *selected*, because the
+  best of k noisy runs is biased low (the winner's curse); it is run again and its pick never counts.
+- Runs again of a pending candidate ("rerun", "confirm") are judged on all its counted runs on that device.
+Comparisons are made only between runs on the same device type. See noise.py for the margin.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+from .ledger import Record
+from .noise import Gate, Sigma, judge
+from .state import Decision, State, Status, group_of
+
+
+@dataclass
+class Finished:
+    record: Record
+    kind: str  # baseline | parent | candidate | rerun | confirm
+    crashed: bool = False
+    shorter: bool = False  # its train.py has fewer significant lines than the best's
+
+
+def decide(state: State, runs: list[Finished], gate: Gate) -> None:
+    """Fill each run's record.gate and record.status."""
+    ok = [r for r in runs if not r.crashed]
+    for run in runs:
+        run.record.status = Status.CRASH if run.crashed else Status.DISCARD
+    if not state.best_group:
+        for i, run in enumerate(ok):
+            run.record.gate = {"decision": Decision.KEEP if i == 0 else Decision.REPEAT, "runs": i + 1,
+                               "why": "baseline"}
+        if ok:
+            ok[0].record.status = Status.KEEP
+        return
+    sigma = state.sigma([r.record for r in ok])
+
+    def parent_on(device: str) -> list[float]:
+        return state.runs(state.best_group, device) + [
+            r.record.val_bpb for r in ok if r.kind == "parent" and r.record.device == device]
+
+    for run in ok:
+        if run.kind == "parent":
+            parent = parent_on(run.record.device)
+            run.record.gate = {"decision": Decision.REPEAT, "runs": len(parent), "mean": statistics.fmean(parent),
+                               "why": str(run.record.info.get("repeat", ""))}
+    candidates = [r for r in ok if r.kind == "candidate"]
+    for run in candidates:
+        parent = parent_on(run.record.device)
+        if not parent:
+            why = f"no run of the best on {run.record.device or 'this device'} to compare with"
+            run.record.gate = {"decision": Decision.DISCARD, "runs": 1, "why": why, "note": why}
+            continue
+        verdict = judge([run.record.val_bpb], parent, sigma, gate, run.shorter)
+        run.record.gate = gate_fields(verdict, [run.record.val_bpb], parent, sigma)
+    if len(candidates) > 1:
+        select(candidates)
+    followups = [r for r in ok if r.kind in ("rerun", "confirm")]
+    if followups:
+        settle(state, followups, parent_on, sigma, gate)
+    if followups and any(r.record.gate.get("decision") == Decision.RERUN for r in followups):
+        for run in runs:  # a crashed run of the candidate does not undo "run it again"
+            if run.crashed and run.kind in ("rerun", "confirm"):
+                run.record.gate = {"decision": Decision.CONFIRMING, "note": "crashed confirmation run"}
+    for run in ok:
+        if run.record.gate.get("decision") == Decision.KEEP:
+            run.record.status = Status.KEEP
+
+
+def select(candidates: list[Finished]) -> None:
+    """Of several candidates, the best of those that beat the best by the margin is selected to run again;
+    none is kept now."""
+    eligible = [r for r in candidates if r.record.gate.get("decision") == Decision.KEEP]
+    for run in candidates:
+        run.record.gate["decision"] = Decision.DISCARD
+    if not eligible:
+        return
+    winner = min(eligible, key=lambda r: r.record.val_bpb)
+    winner.record.gate.update(decision=Decision.RERUN, selection=True,
+                              note=f"best of {len(candidates)}, by {winner.record.gate['delta']:.4f}: confirming")
+    for run in eligible:
+        if run is not winner:
+            run.record.gate["note"] = "beat the parent, but not the best of its generation"
+
+
+def settle(state: State, followups: list[Finished], parent_on, sigma: Sigma, gate: Gate) -> None:
+    """Decide a pending candidate on all its counted runs on the last run's device."""
+    final = followups[-1]
+    group, device = group_of(final.record), final.record.device
+    confirming = any(r.gate.get("selection") for r in state.records if group_of(r) == group)
+    for run in followups[:-1]:
+        run.record.gate = {"decision": Decision.CONFIRMING, "runs": 1, "note": "confirmation run"}
+    values = state.runs(group, device) + [r.record.val_bpb for r in followups if r.record.device == device]
+    parent = parent_on(device)
+    if not parent:
+        final.record.gate = {"decision": Decision.DISCARD, "runs": len(values),
+                             "note": "not confirmed: no parent run on this device"}
+        return
+    verdict = judge(values, parent, sigma, gate, final.shorter)
+    final.record.gate = gate_fields(verdict, values, parent, sigma)
+    if confirming:
+        final.record.gate["confirmation"] = True
+        n = len(values)
+        final.record.gate["note"] = (
+            f"confirmed by {n} run(s): {verdict.delta:+.4f} vs the parent, margin {verdict.margin:.4f}"
+            if verdict.decision == Decision.KEEP else
+            f"inside the margin after {n} run(s) ({verdict.delta:+.4f}, margin {verdict.margin:.4f}): running again"
+            if verdict.decision == Decision.RERUN else
+            f"not confirmed: {n} confirmation run(s) {verdict.why} ({verdict.delta:+.4f}, margin {verdict.margin:.4f})")
+
+
+def gate_fields(verdict, candidate: list[float], parent: list[float], sigma: Sigma) -> dict:
+    return {"decision": Decision(verdict.decision), "runs": len(candidate), "mean": statistics.fmean(candidate),
+            "best_mean": statistics.fmean(parent), "margin": verdict.margin, "delta": verdict.delta,
+            "sigma": sigma.value, "sigma_dof": sigma.dof, "why": verdict.why}
+
+
+def row_text(record: Record) -> tuple[float, str]:
+    """The row's val_bpb and description: a decided candidate shows its mean, its runs and the margin used."""
+    if record.status == Status.CRASH:
+        return 0.0, f"{record.description} [crash: {record.reason}]"
+    g = record.gate
+    if g.get("note"):  # several at once: selection, confirmation
+        value = g.get("mean", record.val_bpb) if record.status == Status.KEEP else record.val_bpb
+        return value, f"{record.description} [{g['note']}]"
+    if g.get("decision") == Decision.RERUN:
+        return record.val_bpb, f"{record.description} [inside the margin {g['margin']:.4f}: running again]"
+    if g.get("sigma") is not None and (g["decision"] == Decision.KEEP or g["runs"] > 1):
+        note = "simplification, " if g["why"].startswith("simplification") else ""
+        runs = f"mean of {g['runs']} runs" if g["runs"] > 1 else "1 run"
+        return g["mean"], f"{record.description} ({note}{runs}, margin {g['margin']:.4f})"
+    return record.val_bpb, record.description

@@ -1,0 +1,156 @@
+"""What runs next: the next generation's runs, and the ideas they need.
+
+A generation is as many runs as there are slots (one slot: a generation of one), all from the current best:
+the baseline first (on every slot); then its repeats while σ is unmeasured; a pending candidate again (one
+run after a promising single candidate; half the slots to confirm a best-of-k pick, the best on the others);
+otherwise new candidates: queued ideas first, then the proposer's. With pipelining, the next generation's
+ideas are made while one trains (`Ideas.ahead`) and carried over to a new best when it is planned.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from .ledger import Record
+from .pipeline import Prefetch, Prepared, carry, make_proposal
+from .proposers import Proposer
+from .state import State, group_of
+
+MAX_DUPLICATE_ASKS = 3  # ask again this often when a proposal repeats one already in the generation
+CANCEL_WAIT_S = 15.0  # how long a stop waits for an idea being made to give up (its agent is killed)
+
+
+@dataclass
+class Planned:
+    prepared: Prepared
+    kind: str  # baseline | parent | candidate | rerun | confirm
+
+
+class Ideas:
+    """Where candidates come from, now or made ahead while a generation trains."""
+
+    def __init__(self, ws, proposer: Proposer, pipeline: bool):
+        self.ws, self.proposer, self.pipeline = ws, proposer, pipeline
+        self.prefetch: Prefetch | None = None
+
+    def take(self, best: str, records: list[Record], count: int) -> list[Prepared]:
+        """Up to `count` distinct ideas on `best` (fewer when the proposer runs dry): those made ahead first,
+        re-applied on `best` if it moved (asked again when they no longer apply), then fresh ones."""
+        ideas: list[Prepared] = []
+        if self.prefetch is not None:
+            t = time.monotonic()
+            made, self.prefetch = self.prefetch.result(), None
+            ideas = [p for p in (carry(self.ws, p, best) for p in made) if p is not None][:count]
+            for idea in ideas:
+                idea.waited = time.monotonic() - t
+        fresh = candidates(self.ws, self.proposer, best, records, count - len(ideas), ideas)
+        for idea in fresh:
+            idea.waited = idea.seconds
+        return ideas + fresh
+
+    def ahead(self, best: str, records: list[Record], count: int) -> None:
+        """Start making the next generation's ideas now, unless pipelining is off or some are being made."""
+        if self.pipeline and self.prefetch is None and count > 0:
+            self.prefetch = Prefetch(lambda: candidates(self.ws, self.proposer, best, records, count))
+
+    def settle(self) -> None:
+        """Wait for ideas being made (a proposer's observe() never runs while its propose() does)."""
+        if self.prefetch is not None:
+            self.prefetch.result()
+
+    def stop(self) -> None:
+        """Stop making ideas: the proposer is told (an agent's process tree is killed within a second)."""
+        self.proposer.cancelled.set()
+
+    def stopped(self) -> bool:
+        """Wait (boundedly) for an idea being made to give up; False if the proposer is still busy."""
+        prefetch, self.prefetch = self.prefetch, None
+        return prefetch is None or prefetch.wait(CANCEL_WAIT_S)
+
+
+def candidates(ws, proposer: Proposer, best: str, records: list[Record], count: int,
+               earlier: list[Prepared] = ()) -> list[Prepared]:
+    """Up to `count` distinct ideas on `best`. Each one sees the ideas made before it (`earlier` too) as
+    experiments in flight, with a commit the proposer can read."""
+    out: list[Prepared] = []
+    history = [*records, *(in_flight(p) for p in earlier)]
+    seen = {p.patch for p in earlier}
+    while len(out) < count:
+        prepared = make_proposal(ws, proposer, best, history)
+        for _ in range(MAX_DUPLICATE_ASKS - 1):
+            if prepared.exhausted or prepared.reason or prepared.patch not in seen:
+                break
+            prepared = make_proposal(ws, proposer, best, history)
+        if prepared.exhausted:
+            break
+        if not prepared.reason:
+            prepared.planned = ws.commit_proposal(f"autoloop planned: {prepared.description}")
+        seen.add(prepared.patch)
+        history.append(in_flight(prepared))
+        out.append(prepared)
+    return out
+
+
+def in_flight(prepared: Prepared) -> Record:
+    return Record(n=0, status="running", description=prepared.description, commit=prepared.planned,
+                  parent=prepared.base, info=prepared.info)
+
+
+def as_running(record: Record) -> Record:
+    """How a proposer sees an experiment still in flight: its idea and commit, no result yet."""
+    return Record(n=record.n, status="running", description=record.description, commit=record.commit,
+                  parent=record.parent, info=record.info, group=record.group)
+
+
+def again(ws, state: State, first: Record, description: str, info: dict, kind: str) -> Planned:
+    """A run of an earlier candidate's edit again, on the best (the one it was made on: a pending candidate
+    keeps the best where it is)."""
+    kept = {k: v for k, v in first.info.items() if k not in ("queue_id", "usage", "infra_failures")}
+    patch = (ws.paths.run_dir(first.n) / "diff.patch").read_text()
+    return Planned(Prepared(base=state.best_commit, description=description, patch=patch, group=first.n,
+                            info={**kept, **info}), kind)
+
+
+def parent_run(state: State, why: str, label: str = "") -> Planned:
+    name = "baseline" if state.best_group == state.baseline_group else "parent"
+    return Planned(Prepared(base=state.best_commit, description=label or f"{name} (repeat: {why})",
+                            group=state.best_group, info={"repeat": why}), "parent")
+
+
+def plan(ws, ideas: Ideas, state: State, slots: int) -> list[Planned]:
+    """The runs of the next generation (at most `slots`); [] when the proposer has no more ideas."""
+    s, best = ws.settings, state.best_commit
+    if not state.best_group:
+        first = "baseline" if state.done == 0 else "baseline (retry)"
+        return [Planned(Prepared(base=best, description=first if i == 0 else f"baseline (slot {i + 1})",
+                                 group=state.done + 1), "baseline") for i in range(slots)]
+    if state.pending is not None:
+        first = next(r for r in state.records if r.n == state.pending)
+        if first.gate.get("selection"):  # a best-of-k pick: confirm it on half the slots
+            k = max(1, math.ceil(slots / 2))
+            runs = [again(ws, state, first, f"{first.description} (confirmation {i + 1}/{k})", {"confirm": i + 1},
+                          "confirm") for i in range(k)]
+        else:
+            n = sum(1 for r in state.records if group_of(r) == state.pending) + 1
+            runs = [again(ws, state, first, f"{first.description} (repeat {n}/{s.gate.max_repeats})", {"repeat": n},
+                          "rerun")]
+        return runs + [parent_run(state, "confirmation") for _ in range(slots - len(runs))]
+    runs: list[Planned] = []
+    wanted, base = 1 + s.baseline_repeats, state.baseline_group
+    since = [r for r in state.records if r.n >= base]
+    have = sum(1 for r in since if group_of(r) == base)
+    if state.best_group == base and have == len(since) and have < wanted:  # σ from the baseline, before any idea
+        count = slots if wanted - have >= slots else min(wanted - have, slots - 1)
+        runs = [parent_run(state, "measuring σ", f"baseline (repeat {have + i + 1}/{wanted})")
+                for i in range(count)]
+        for i, run in enumerate(runs):
+            run.prepared.info = {"repeat": have + i + 1}
+    device = state.records[-1].device if state.records else ""
+    if not runs and device and not state.runs(state.best_group, device):  # e.g. resumed on another GPU model
+        runs = [parent_run(state, f"no run of the best on {device} yet")]
+    if len(runs) == slots:
+        return runs
+    fresh = ideas.take(best, state.records, slots - len(runs))
+    return runs + [Planned(p, "candidate") for p in fresh] if fresh else []

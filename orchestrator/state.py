@@ -1,0 +1,152 @@
+"""What the loop knows, as data: statuses, decisions, the phase a crash happened in, and the session state.
+
+The run records on disk are the truth. `replay` rebuilds the state from them alone, and everything that shows
+a session reads it: resume, `autoloop status`, `autoloop report`, the console summary and the held-out check.
+So the branch tip, the report's best and the console's best are one commit by construction.
+
+Runs of one candidate form a group (numbered by its first run); the baseline and its repeats are group 1.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field
+from enum import Enum
+
+from .ledger import Record, read_record, read_rows
+from .noise import Sigma, pooled_sigma
+from .session import Paths
+
+
+class _Word(str, Enum):
+    """An enum whose members are the words written to disk (and print as them)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Status(_Word):
+    """A row's status in results.tsv (upstream's words)."""
+
+    KEEP = "keep"
+    DISCARD = "discard"
+    CRASH = "crash"
+
+
+class Decision(_Word):
+    """What the gate decided for one run (record.json `gate.decision`)."""
+
+    KEEP = "keep"  # the branch advances to this run's commit
+    DISCARD = "discard"
+    REPEAT = "repeat"  # a run of the best itself: it measures σ and sharpens the best's mean
+    RERUN = "rerun"  # promising: run the candidate again before deciding (a best-of-k pick: to confirm it)
+    CONFIRMING = "confirming"  # one of several confirmation runs; the last one carries the decision
+
+
+class Phase(_Word):
+    """Where an experiment crashed (record.json `phase`)."""
+
+    PROPOSE = "propose"
+    CHECK = "check"
+    TRAIN = "train"
+    EVALUATE = "evaluate"
+    AUDIT = "audit"
+
+
+@dataclass(frozen=True)
+class Crash:
+    reason: str
+    phase: Phase
+
+
+def group_of(record: Record) -> int:
+    return record.group or record.n
+
+
+def counts(record: Record) -> bool:
+    """Does this run's value count in its configuration's mean? Crashes do not, nor a best-of-k pick (biased
+    low: the winner's curse)."""
+    return record.status != Status.CRASH and record.val_bpb is not None and not record.gate.get("selection")
+
+
+@dataclass
+class State:
+    records: list[Record] = field(default_factory=list)
+    start_commit: str = ""
+    best_commit: str = ""
+    best_group: int = 0
+    best_run: int = 0  # the run whose saved model stands for the best (its last run)
+    baseline_group: int = 0  # the baseline's runs (1, unless a crashed baseline was run again)
+    baseline_run: int = 0  # the run whose saved model stands for the baseline
+    pending: int | None = None  # a candidate group to run again before it is decided
+
+    @property
+    def done(self) -> int:
+        return len(self.records)
+
+    def runs(self, group: int, device: str | None = None) -> list[float]:
+        """val_bpb of the counted runs of `group` (on `device` only, if given)."""
+        return [r.val_bpb for r in self.records
+                if group_of(r) == group and counts(r) and (device is None or r.device == device)]
+
+    @property
+    def best_bpb(self) -> float | None:
+        runs = self.runs(self.best_group)
+        return statistics.fmean(runs) if runs else None
+
+    @property
+    def baseline_bpb(self) -> float | None:
+        runs = self.runs(self.baseline_group) if self.baseline_group else []
+        return statistics.fmean(runs) if runs else None
+
+    def sigma(self, extra: list[Record] = ()) -> Sigma:
+        """σ pooled over every (configuration, device type) measured more than once."""
+        groups: dict[tuple[int, str], list[float]] = {}
+        for r in [*self.records, *extra]:
+            if counts(r):
+                groups.setdefault((group_of(r), r.device), []).append(r.val_bpb)
+        return pooled_sigma(list(groups.values()))
+
+    def usage(self) -> tuple[int, float]:
+        """Tokens and dollars the proposer reported over the session (record.json info.usage)."""
+        tokens = sum(int(r.info.get("usage", {}).get("total_tokens", 0)) for r in self.records)
+        cost = sum(float(r.info.get("usage", {}).get("cost", 0.0)) for r in self.records)
+        return tokens, cost
+
+    def add(self, record: Record) -> None:
+        self.records.append(record)
+        group, decision = group_of(record), record.gate.get("decision", record.status)
+        if decision == Decision.KEEP:
+            self.best_commit, self.best_group, self.best_run, self.pending = record.commit, group, record.n, None
+            if not self.baseline_group:
+                self.baseline_group, self.baseline_run = group, record.n
+        elif decision == Decision.RERUN:
+            self.pending = group
+        elif decision != Decision.CONFIRMING and self.pending == group:  # decided (or crashed on its own)
+            self.pending = None
+
+
+def replay(records: list[Record], start_commit: str) -> State:
+    """The session state after these records, in order (a pure function of them)."""
+    state = State(start_commit=start_commit, best_commit=start_commit)
+    for record in records:
+        state.add(record)
+    return state
+
+
+def load_records(paths: Paths) -> list[Record]:
+    """Each row's record.json (a row whose record is missing stands for itself), by row number."""
+    return [read_record(paths.run_dir(n)) or Record(n=n, status=row.status, description=row.description,
+                                                     commit=row.commit,
+                                                     val_bpb=row.val_bpb if row.status != "crash" else None)
+            for n, row in enumerate(read_rows(paths.ledger), start=1)]
+
+
+def load_state(paths: Paths) -> State:
+    """The state of a session on disk, as a resume would rebuild it."""
+    try:
+        start = json.loads(paths.session.read_text())["start_commit"]
+    except (OSError, ValueError, KeyError):
+        start = ""
+    return replay(load_records(paths), start)

@@ -1,0 +1,287 @@
+"""Running one generation: each run staged in its slot's worktree (apply, check, commit), submitted, waited for
+and measured. Whatever happens (Ctrl-C, SIGTERM, an error), every run it started is cancelled and waited for.
+
+What counts is the harness's measurement of the saved model, never the number train.py printed.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import git
+import psutil
+
+from . import LoopError, gitops
+from .evaluation import audit_clock, compare_printed, read_evaluation
+from .executors import OUT, PYTHON, Executor, Handle, Job, JobResult, Slot, wait_any
+from .guard import new_violations
+from .ledger import Record
+from .plan import Ideas, Planned, as_running, parent_run
+from .progress import Progress, format_eta, last_step
+from .session import write_status
+from .state import Crash, Phase, State
+from .summary import last_error_line, parse_summary, val_bpb_of
+
+PROGRESS_TICK_S = 1.0
+MAX_INFRA_RETRIES = 3  # executor failures (node lost, worker died) of one experiment before the loop stops
+REFILL_BEFORE = 0.5  # a slot freed while others train re-runs the best if the generation is younger than this x budget
+STOP_WAIT_S = 30.0  # how long a stop waits for cancelled runs to end (their trees are killed: SIGTERM, SIGKILL)
+
+
+@dataclass
+class Run:
+    record: Record
+    kind: str
+    slot: Slot
+    handle: Handle | None = None
+    job: Job | None = None
+    started: float = 0.0
+    crash: Crash | None = None
+    done: bool = False
+
+
+def check_edit(ws, wt: git.Repo) -> str:
+    """Why the proposed edit in worktree wt may not run ('' if it may): only train.py changed, it compiles, and
+    it leaves alone what the controller and prepare.py own (seed, budget, evaluation, validation data)."""
+    changed = gitops.changed_files(wt)
+    others = [f for f in changed if f != "train.py"]
+    if others:
+        return f"edited files other than train.py: {', '.join(others[:5])}"
+    try:
+        source = (Path(wt.working_tree_dir) / "train.py").read_text()
+        compile(source, "train.py", "exec")
+    except SyntaxError as e:
+        return f"train.py does not compile: {e.msg} (line {e.lineno})"
+    except (OSError, ValueError) as e:
+        return f"train.py unreadable: {e}"
+    tampering = new_violations(source, ws.baseline_source)
+    return f"tampering: {'; '.join(tampering)}" if tampering else ""
+
+
+def stage(ws, wt: git.Repo, record: Record, prepared) -> Crash | None:
+    """Apply the idea in worktree wt (at its base), check it, and commit it (a failed idea too, so every row
+    has a commit); returns why it may not run, or None."""
+    t = time.monotonic()
+    crash = Crash(prepared.reason, Phase.PROPOSE) if prepared.reason else None
+    if crash is None and (error := gitops.apply_patch(wt, prepared.patch)):
+        crash = Crash(f"the proposal does not apply: {error}", Phase.PROPOSE)
+    if crash is None and (why := check_edit(ws, wt)):
+        crash = Crash(why, Phase.CHECK)
+    problems = [] if crash else ws.integrity_problems()  # an edit outside train.py never runs anyway
+    if problems:
+        raise LoopError(f"the prepared harness no longer verifies ({'; '.join(problems)}); an earlier run may have "
+                        "modified it. Re-run `python prepare.py --force`, then the same autoloop command to resume")
+    record.timings["check"] = time.monotonic() - t
+    t = time.monotonic()
+    record.commit = gitops.commit_all(wt, f"autoloop {ws.settings.tag} #{record.n}: {record.description}")
+    gitops.mark_tried(ws.repo, ws.settings.tag, record.n, record.commit)
+    (ws.paths.run_dir(record.n) / "diff.patch").write_text(gitops.diff(wt, record.parent, record.commit))
+    record.timings["git"] = time.monotonic() - t
+    return crash
+
+
+def build_job(ws, workdir: Path, run_dir: Path) -> Job:
+    """The experiment as the executor runs it: train.py, then (with a harness that saves the model) the
+    harness's own evaluation of that model in a process of its own; no step may change a tracked file."""
+    steps, logs, step_env = [[PYTHON, "train.py"]], ["run.log"], [{}]
+    env = dict(ws.env)
+    if ws.info.artifacts:
+        env["AUTOLOOP_EVAL_ARTIFACT"] = f"{OUT}/model.pt"
+        steps.append([PYTHON, "prepare.py", "--evaluate", f"{OUT}/model.pt", "--split", "val"])
+        logs.append("eval.log")
+        step_env.append({"AUTOLOOP_EVAL_ARTIFACT": None})
+    watch = tuple(name for name in git.Repo(workdir).git.ls_files("-z").split("\0") if name)
+    return Job(steps=steps, logs=logs, env=env, timeout_s=ws.settings.hard_timeout, workdir=workdir,
+               out_dir=run_dir, watch=watch, step_env=step_env)
+
+
+def submit(ws, executor: Executor, job: Job, slot: Slot, record: Record) -> Handle:
+    """Start the job; the pids of its processes on this machine go to status.json (resume kills orphans)."""
+    def on_start(pid: int) -> None:
+        try:
+            created = psutil.Process(pid).create_time()
+        except psutil.Error:
+            created = 0.0
+        ws.track_pid(slot.index, pid, created)
+
+    job.on_start = on_start
+    record.timings.setdefault("submitted", time.time())
+    return executor.submit(job, slot)
+
+
+def start(ws, executor: Executor, state: State, planned: Planned, slot: Slot, n: int, proposer: str,
+          runs: list[Run]) -> None:
+    """Stage the run in its slot's worktree and submit it, listed in `runs` before it starts (whatever stops
+    the generation cancels it); a run whose idea may not run is done at once."""
+    prepared = planned.prepared
+    record = Record(n=n, status="crash", description=prepared.description, parent=prepared.base,
+                    proposer=proposer, started=time.time() - prepared.waited, best_before=state.best_bpb,
+                    info=dict(prepared.info), group=prepared.group or n, slot=slot.index)
+    record.timings["propose"], record.timings["propose_wait"] = prepared.seconds, prepared.waited
+    if prepared.ready:
+        record.timings["idea_waited"] = record.started - prepared.ready  # long when made while others trained
+    run_dir = ws.paths.run_dir(n)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if prepared.log:
+        (run_dir / "proposer.log").write_text(prepared.log)
+    # a detached worktree per slot: the branch itself only ever holds decided-kept commits
+    wt = gitops.ensure_detached_worktree(ws.repo, ws.paths.slot(slot.index), prepared.base)
+    gitops.checkout_clean(wt, prepared.base)
+    run = Run(record, planned.kind, slot, done=True)
+    runs.append(run)
+    run.crash = stage(ws, wt, record, prepared)
+    if run.crash:
+        return
+    run.job = build_job(ws, Path(wt.working_tree_dir), run_dir)
+    run.handle, run.done = submit(ws, executor, run.job, slot, record), False
+    run.started = time.monotonic()
+
+
+def run_generation(ws, executor: Executor, state: State, planned: list[Planned], ideas: Ideas, progress: Progress,
+                   remaining: int | None) -> list[Run]:
+    """Start every planned run, refill slots freed early with runs of the best, wait for all; runs by number.
+    With pipelining the next generation's ideas are made meanwhile."""
+    runs: list[Run] = []
+    slots, born = list(executor.slots), time.monotonic()
+    next_n = state.done + 1
+    try:
+        for item, slot in zip(planned, slots):
+            start(ws, executor, state, item, slot, next_n, ideas.proposer.name, runs)
+            next_n += 1
+        free = [r.slot for r in runs if r.done] + slots[len(planned):]
+        if remaining is None or remaining > len(planned):
+            ideas.ahead(state.best_commit, [*state.records, *(as_running(r.record) for r in runs)], len(slots))
+        while True:
+            for run in runs:
+                if not run.done and run.handle.done():
+                    result = run.handle.result()
+                    if result.infra_error:
+                        infra_retry(ws, executor, run.record, result)
+                        run.handle = submit(ws, executor, run.job, run.slot, run.record)
+                        continue
+                    run.crash, run.done = measure(ws, run.record, result), True
+                    if run.crash:
+                        free.append(run.slot)
+            busy = [r for r in runs if not r.done]
+            young = time.monotonic() - born < REFILL_BEFORE * ws.settings.budget
+            while free and busy and young and state.best_group and \
+                    (remaining is None or next_n - state.done <= remaining):
+                start(ws, executor, state, parent_run(state, "slot freed early"), free.pop(0), next_n,
+                      ideas.proposer.name, runs)
+                next_n += 1
+                free += [r.slot for r in runs[-1:] if r.done]
+            if all(r.done for r in runs):
+                break
+            progress.update(progress_text(ws, state, runs))
+            write_status(ws.paths, phase="training", running=[
+                {"n": r.record.n, "slot": r.slot.index, "description": r.record.description,
+                 "started": r.record.started} for r in runs if not r.done])
+            wait_any([r.handle for r in runs if not r.done], poll_s=0.05, until=time.monotonic() + PROGRESS_TICK_S)
+    except BaseException:  # Ctrl-C, SIGTERM, LoopError, a bug: nothing this generation started may outlive it
+        stop_runs(runs)
+        raise
+    return sorted(runs, key=lambda r: r.record.n)
+
+
+def stop_runs(runs: list[Run]) -> None:
+    """Cancel every unfinished run and wait (boundedly) until its process tree is gone."""
+    live = [r for r in runs if not r.done and r.handle is not None]
+    for run in live:
+        run.handle.cancel()
+    deadline = time.monotonic() + STOP_WAIT_S
+    for run in live:
+        try:
+            run.handle.result(timeout=max(0.1, deadline - time.monotonic()))
+        except TimeoutError:
+            pass  # reported by the caller's last sweep over the pids it started
+
+
+def infra_retry(ws, executor: Executor, record: Record, result: JobResult) -> None:
+    """Note an executor failure on the record; give up (LoopError) once it keeps happening."""
+    failures = record.info.setdefault("infra_failures", [])
+    failures.append(result.infra_error)
+    if len(failures) > MAX_INFRA_RETRIES:
+        raise LoopError(f"the {executor.name} executor failed {len(failures)} times running experiment "
+                        f"{record.n} (last: {result.infra_error}); check the executor (cluster, GPUs), then run "
+                        "the same command to resume")
+    ws.echo(f"autoloop: #{record.n}: the executor failed ({result.infra_error}); not the idea's fault, "
+            f"running it again ({len(failures)}/{MAX_INFRA_RETRIES})")
+
+
+def measure(ws, record: Record, result: JobResult) -> Crash | None:
+    """Read what the run left (its summary, the harness's measurement, the clock) into the record; returns why
+    it is a crash, or None. The number that counts is the harness's, never the one train.py printed."""
+    s = ws.settings
+    record.device = result.device
+    if not result.steps:
+        return Crash("the run did not start", Phase.TRAIN)
+    train_step = result.steps[0]
+    record.timings["train"] = train_step.wall_s
+    if len(result.steps) > 1:
+        record.timings["eval"] = result.steps[1].wall_s
+    record.exit_code, record.timed_out = train_step.exit_code, train_step.timed_out
+    log_text = train_step.log.read_text(errors="replace") if train_step.log.exists() else ""
+    record.metrics = parse_summary(log_text)
+    printed = val_bpb_of(record.metrics)
+    if train_step.timed_out:
+        return Crash(f"timeout after {s.hard_timeout:.0f}s", Phase.TRAIN)
+    if train_step.exit_code != 0:
+        return Crash(f"exit code {train_step.exit_code}: {last_error_line(log_text)}".rstrip(": "), Phase.TRAIN)
+    if result.modified:
+        return Crash(f"the run modified {', '.join(result.modified)}", Phase.AUDIT)
+    if "val_bpb" not in record.metrics:
+        return Crash(f"no val_bpb in the summary: {last_error_line(log_text)}".rstrip(": "), Phase.TRAIN)
+    if not ws.info.artifacts:  # a harness without artifacts (e.g. upstream's): its printed number
+        record.val_bpb = printed
+        return None if printed is not None else \
+            Crash(f"val_bpb is not finite ({record.metrics['val_bpb']})", Phase.EVALUATE)
+    if "model.pt" not in result.ages:
+        return Crash("train.py did not call prepare.evaluate_bpb: no model was saved for the harness to measure",
+                     Phase.AUDIT)
+    if why := audit_clock(record.metrics, s.budget, result.ages["model.pt"], s.startup_allowance):
+        return Crash(why, Phase.AUDIT)
+    if len(result.steps) < 2:
+        return Crash("the harness evaluation did not run", Phase.EVALUATE)
+    eval_step = result.steps[1]
+    if eval_step.timed_out:
+        return Crash(f"the harness evaluation timed out after {s.hard_timeout:.0f}s", Phase.EVALUATE)
+    measured, found, why = read_evaluation(eval_step.log.read_text(errors="replace") if eval_step.log.exists() else "")
+    if measured is None:
+        return Crash(why, Phase.EVALUATE)
+    record.metrics["harness_val_bpb"] = record.val_bpb = measured
+    for key, name in (("seconds", "eval_seconds"), ("peak_mb", "eval_peak_mb"), ("eval_tokens", "eval_tokens")):
+        if isinstance(found.get(key), (int, float)):
+            record.metrics[name] = found[key]
+    why = compare_printed(printed, measured)
+    return Crash(why, Phase.AUDIT) if why else None
+
+
+def progress_text(ws, state: State, runs: list[Run]) -> str:
+    """One run: #n elapsed/budget | step, budget %, loss. Several: each one's time. Then the best so far and the
+    session's ETA when it is bounded."""
+    s = ws.settings
+    running = [r for r in runs if not r.done]
+    if len(running) == 1:
+        run = running[0]
+        parts = [f"#{run.record.n} training {time.monotonic() - run.started:.0f}s/{s.budget:g}s"]
+        if (step := last_step(ws.paths.run_dir(run.record.n) / "run.log")) is not None:
+            parts.append(f"step {step[0]} ({step[1]:.0f}%) loss {step[2]:.4f}")
+    else:
+        parts = [f"{len(running)} running"] + [f"#{r.record.n} {time.monotonic() - r.started:.0f}s/{s.budget:g}s"
+                                               for r in running[:8]]
+    if state.best_bpb is not None:
+        parts.append(f"best {state.best_bpb:.6f}")
+    finished = [r for r in state.records if r.ended]
+    per_run = statistics.fmean(r.ended - r.started for r in finished[-10:]) if finished else s.hard_timeout
+    elapsed = max((time.monotonic() - r.started for r in running), default=0.0)
+    etas = []
+    if s.max_experiments is not None:
+        etas.append((s.max_experiments - state.done) * per_run / max(1, len(runs)) - elapsed)
+    if s.max_hours is not None:
+        etas.append(s.max_hours * 3600 - (time.time() - ws.started))
+    if etas:
+        parts.append(f"ETA {format_eta(min(etas))}")
+    return " | ".join(parts)

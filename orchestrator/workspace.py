@@ -1,0 +1,199 @@
+"""A session's workspace: .autoloop/<tag>/, its git worktrees, the pinned harness, resume, and recording."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import psutil
+
+from . import LoopError, gitops, gpu, harness
+from .executors import Executor
+from .judge import row_text
+from .ledger import Record, Row, append_row, ensure_header, write_json_atomic, write_record
+from .queue import Queue
+from .runner import kill_tree
+from .session import Paths, read_status, write_status
+from .settings import Settings
+from .state import State, Status, load_records, replay
+
+
+SESSION_ENV = ("AUTOLOOP_TIME_BUDGET", "AUTOLOOP_SEED", "AUTOLOOP_PROFILE", "AUTOLOOP_DATASET", "AUTOLOOP_CACHE",
+               "AUTOLOOP_MANIFEST_DIGEST")
+
+
+class Workspace:
+    """A session's place on disk and in git: paths, worktrees, the pinned harness, the queue, and recording.
+
+    Runtime objects (executor, proposer, prefetch, progress) are not here: they are locals of run_loop."""
+
+    def __init__(self, settings: Settings, echo: Callable[[str], None]):
+        self.settings, self.echo = settings, echo
+        self.paths = Paths(settings.repo, settings.tag)
+        self.repo = gitops.open_repo(settings.repo)
+        self.env = harness.run_env(settings.budget, settings.seed, settings.profile, settings.dataset, settings.cache)
+        self.wt = None
+        self.info: harness.HarnessInfo | None = None
+        self.prepare_sha = self.manifest_digest = ""
+        self.baseline_source = ""
+        self.queue = Queue(self.paths.queue)
+        self.started = time.time()
+        self._proposal_wt = None
+        self.pids: dict[str, list[float]] = {}  # slot -> [pid, create time] of the process it runs here
+        self._pids_lock = threading.Lock()  # slot threads report pids while the loop records
+        self.generation = 0  # generations started by this process
+
+    def proposal_worktree(self, base: str):
+        """The proposers' worktree, reset to base (detached; never on the loop's branch)."""
+        if self._proposal_wt is None:
+            self._proposal_wt = gitops.ensure_detached_worktree(self.repo, self.paths.proposal, base)
+        gitops.checkout_clean(self._proposal_wt, base)
+        return self._proposal_wt
+
+    def commit_proposal(self, message: str) -> str:
+        """Commit what the last proposal left in the proposal worktree (detached; nothing points at it)."""
+        return gitops.commit_all(self._proposal_wt, message)
+
+    @property
+    def profile(self) -> str | None:
+        return self.info.profile if self.info and self.info.profile else self.settings.profile
+
+    def open(self, executor: Executor) -> None:
+        """Check the repo, make the worktree, prepare and pin the harness. Call with the lock held."""
+        gitops.require_clean(self.repo)
+        gitops.exclude_state(self.repo)
+        self.wt = gitops.ensure_worktree(self.repo, self.settings.tag, self.paths.worktree)
+        self.paths.runs.mkdir(parents=True, exist_ok=True)
+        self.link_results()
+        gpu_check = gpu.Check.start(self.settings, self.env)  # nvidia-smi, before anything touches a GPU
+        slot_env = {**self.env, **executor.slots[0].env}  # as a run will see it
+        self.info = harness.query(self.paths.worktree, slot_env, torch=gpu_check.needs_torch)
+        gpu_check.finish(self.info.torch)  # LoopError: GPUs torch cannot use, or the gpu profile without CUDA
+        for key, value in (("AUTOLOOP_PROFILE", self.info.profile), ("AUTOLOOP_DATASET", self.info.dataset)):
+            if value and not self.env.get(key):
+                self.env[key] = value  # one harness size and corpus for every slot, as the query found them
+        pinned = self.paths.worktree / "prepare.py"
+        if self.info.manifest is not None and harness.verify(self.info.manifest, pinned):
+            harness.prepare(self.paths.worktree, slot_env, self.echo)
+            problems = harness.verify(self.info.manifest, pinned)
+            if problems:
+                raise LoopError(f"prepared data does not verify after prepare.py: {'; '.join(problems)}")
+        if self.info.time_budget is not None and abs(self.info.time_budget - self.settings.budget) > 1e-9:
+            self.echo(f"autoloop: note: this harness fixes its own budget ({self.info.time_budget:g}s); "
+                      f"--budget {self.settings.budget:g} does not reach it")
+        if self.info.profile == "gpu" and self.info.dataset == "pystdlib" and self.info.smoke_warning:
+            self.echo(f"autoloop: {self.info.smoke_warning}")
+        self.prepare_sha = harness.sha256_file(pinned) if pinned.exists() else ""
+        if self.info.manifest is not None:  # the evaluation refuses data that differs from what was pinned
+            self.manifest_digest = self.env["AUTOLOOP_MANIFEST_DIGEST"] = harness.manifest_digest(self.info.manifest)
+
+    def link_results(self) -> None:
+        """results.tsv at the repo root points at this session's ledger (an existing file is kept aside)."""
+        ensure_header(self.paths.ledger)
+        link = self.settings.repo / "results.tsv"
+        target = self.paths.ledger.relative_to(self.settings.repo)
+        if link.is_symlink() or not link.exists():
+            if link.is_symlink() and Path(os.readlink(link)) == target:
+                return
+            link.unlink(missing_ok=True)
+        else:
+            kept = self.settings.repo / ".autoloop" / f"results.{time.strftime('%Y%m%d-%H%M%S')}.tsv"
+            shutil.move(link, kept)
+            self.echo(f"autoloop: moved the existing results.tsv to {kept.relative_to(self.settings.repo)}")
+        link.symlink_to(target)
+
+    def resume(self) -> State:
+        """Rebuild the state from the records; set half-finished experiments aside; put the branch at the best."""
+        kill_orphan(read_status(self.paths))
+        session = self.paths.session
+        if session.exists():
+            pinned = json.loads(session.read_text())
+            start_commit = pinned["start_commit"]
+            if pinned.get("manifest_digest", self.manifest_digest) != self.manifest_digest:
+                raise LoopError(f"the prepared data differs from the data session {self.settings.tag!r} started "
+                                "with (evaluation sizes or files): its results would not be comparable. Start a "
+                                "new session (--tag NEW), or restore the data it was prepared with")
+        else:
+            start_commit = self.wt.head.commit.hexsha
+            env = {k: v for k, v in self.env.items() if k in SESSION_ENV}  # what `autoloop report` evaluates with
+            write_json_atomic(session, {"start_commit": start_commit, "tag": self.settings.tag,
+                                        "prepare_sha256": self.prepare_sha, "manifest_digest": self.manifest_digest,
+                                        "env": env, "artifacts": bool(self.info and self.info.artifacts),
+                                        "created": time.time()})
+        state = replay(load_records(self.paths), start_commit)
+        for run_dir in self.paths.runs.iterdir():
+            if run_dir.name.isdigit() and int(run_dir.name) > state.done:
+                dest = self.paths.state / "incomplete" / f"{run_dir.name}-{int(time.time())}"
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                shutil.move(run_dir, dest)
+        gitops.reset_to(self.wt, state.best_commit)
+        self.baseline_source = self.repo.git.show(f"{state.start_commit}:train.py")
+        return state
+
+    def integrity_problems(self) -> list[str]:
+        """Checks before any training time is spent: harness pinned, prepared data intact."""
+        problems = []
+        pinned = self.paths.worktree / "prepare.py"
+        if self.prepare_sha and (not pinned.exists() or harness.sha256_file(pinned) != self.prepare_sha):
+            problems.append("prepare.py differs from the one pinned at session start")
+        if self.info and self.info.manifest is not None:
+            problems += harness.verify(self.info.manifest)
+            if harness.manifest_digest(self.info.manifest) != self.manifest_digest:
+                problems.append("the manifest (evaluation sizes, file hashes) changed since session start")
+        return problems
+
+    def track_pid(self, slot: int | str, pid: int, created: float) -> None:
+        with self._pids_lock:
+            self.pids[str(slot)] = [pid, created]
+            write_status(self.paths, train_pid=pid, train_started=created, train_pids=dict(self.pids))
+
+    def kill_tracked(self) -> None:
+        """The last line of defence on the way out: end every run this controller started that still lives."""
+        with self._pids_lock:
+            running, self.pids = dict(self.pids), {}
+        kill_orphan({"train_pids": running})
+
+    def record(self, record: Record, state: State) -> None:
+        """Write one decided run: record.json, then the fsync'd row, then the branch (in that order, for resume);
+        keep the saved models of the baseline and the best only."""
+        record.ended = time.time()
+        write_record(self.paths.run_dir(record.n), record)
+        crashed = record.status == Status.CRASH
+        bpb, description = row_text(record)
+        append_row(self.paths.ledger, Row(record.commit, bpb,
+                                          0.0 if crashed else float(record.metrics.get("peak_vram_mb", 0.0)) / 1024,
+                                          0.0 if crashed else float(record.metrics.get("mfu_percent", 0.0)),
+                                          record.status.value if isinstance(record.status, Status) else record.status,
+                                          description))
+        previous_best = state.best_run
+        state.add(record)
+        for n in {record.n, previous_best} - {state.baseline_run, state.best_run}:
+            if n:
+                (self.paths.run_dir(n) / "model.pt").unlink(missing_ok=True)
+        if "queue_id" in record.info:
+            self.queue.mark_done(record.info["queue_id"], self.settings.tag, record.n)
+        gitops.reset_to(self.wt, state.best_commit)
+        sigma = state.sigma()
+        with self._pids_lock:
+            self.pids.pop(str(record.slot or 0), None)
+            write_status(self.paths, phase="idle", train_pid=None, train_pids=dict(self.pids), last=record.n,
+                         sigma=sigma.value, sigma_dof=sigma.dof)
+
+
+def kill_orphan(status: dict) -> None:
+    """A controller killed with SIGKILL leaves its training processes running: end them before resuming."""
+    running = [tuple(v) for v in (status.get("train_pids") or {}).values()]
+    if status.get("train_pid"):
+        running.append((status["train_pid"], status.get("train_started", 0)))
+    for pid, created in set(running):
+        try:
+            proc = psutil.Process(int(pid))
+            if abs(proc.create_time() - created) < 2.0:
+                kill_tree(int(pid), int(pid))
+        except psutil.Error:
+            pass
