@@ -85,7 +85,7 @@ def candidates(ws, proposer: Proposer, best: str, records: list[Record], count: 
             prepared = make_proposal(ws, proposer, best, history)
         if prepared.exhausted:
             break
-        if not prepared.reason:
+        if not prepared.reason and len(out) + 1 < count:  # a later idea of this batch sees it in flight
             prepared.planned = ws.commit_proposal(f"autoloop planned: {prepared.description}")
         seen.add(prepared.patch)
         history.append(in_flight(prepared))

@@ -91,6 +91,7 @@ def test_a_signal_during_training_stops_the_real_train_py(tiny_env, tmp_path, si
     proc = start(repo, "--budget", "60", "--max-experiments", "1", env=env)
     wait_for(lambda: status(repo).get("train_pids") and (Paths(repo, "s").run_dir(1) / "run.log").exists()
              and "step" in (Paths(repo, "s").run_dir(1) / "run.log").read_text(), proc=proc)
+    time.sleep(3)  # well into training: the controller sits in its wait for the run (where the orphan was made)
     procs = tree([pid for pid, _ in status(repo)["train_pids"].values()])
     stop_and_check(proc, sig, procs, "interrupted; experiment 1 was not recorded")
     assert status(repo)["phase"] == "stopped" and not status(repo)["train_pids"]
