@@ -324,10 +324,12 @@ for split in ("val", "holdout"):
 """
 
 
-@pytest.mark.parametrize("profile", ["tiny", "cpu", "gpu"])
-def test_evaluator_scores_exactly_the_prepared_tokens(profile, tmp_path_factory):
-    cache = tmp_path_factory.getbasetemp() / "eval-cache"  # one pystdlib corpus, one tokenizer per profile
-    env = dict(os.environ, AUTOLOOP_CACHE=str(cache), AUTOLOOP_PROFILE=profile, AUTOLOOP_DATASET="pystdlib",
+@pytest.mark.parametrize("profile,dataset", [("tiny", "pystdlib"), ("cpu", "pystdlib"), ("gpu", "pystdlib"),
+                                             ("tiny", "pypackages")])
+def test_evaluator_scores_exactly_the_prepared_tokens(profile, dataset, tmp_path_factory):
+    """For each offline corpus (pypackages: ~270 MB here, so its larger profiles are left to the GPU check)."""
+    cache = tmp_path_factory.getbasetemp() / "eval-cache"  # one corpus each, one tokenizer per profile
+    env = dict(os.environ, AUTOLOOP_CACHE=str(cache), AUTOLOOP_PROFILE=profile, AUTOLOOP_DATASET=dataset,
                AUTOLOOP_DEVICE="cpu")
     proc = subprocess.run([sys.executable, "prepare.py"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
