@@ -70,6 +70,9 @@ def run_loop(settings: Settings, echo: Callable[[str], None] = print) -> State:
             stopped(ws, executor, state, ideas, progress, error)
             raise
         finally:
+            if ideas.prefetch is not None:  # e.g. --max-hours ended the loop while the next ideas were made
+                ideas.stop()
+                ideas.stopped()
             proposer.close()
         write_status(ws.paths, phase="finished", train_pid=None, train_pids={}, running=[])
         echo(session_summary(settings, state, stop))
