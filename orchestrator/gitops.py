@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -10,12 +11,30 @@ import git
 from . import LoopError
 
 PROTECTED = ("train.py", "prepare.py")
+GIT_TIMEOUT_S = 120.0  # a patch application that takes longer is stuck
 IDENTITY = ("-c", "user.name=autoloop", "-c", "user.email=autoloop@localhost")
+# The user's git config must not break or hang the loop at 2 a.m.: no signing (a signer may prompt), no hooks
+# (an LFS or lint hook may fail or be slow), no fsmonitor daemon, and never a terminal prompt.
+ISOLATED = {"commit.gpgsign": "false", "tag.gpgsign": "false", "core.hooksPath": "/dev/null",
+            "core.fsmonitor": "false"}
+ISOLATED_ENV = {"GIT_TERMINAL_PROMPT": "0", "GIT_CONFIG_COUNT": str(len(ISOLATED)),
+                **{f"GIT_CONFIG_KEY_{i}": k for i, k in enumerate(ISOLATED)},
+                **{f"GIT_CONFIG_VALUE_{i}": v for i, v in enumerate(ISOLATED.values())}}
+
+
+def isolated(repo: git.Repo) -> git.Repo:
+    """The repo with every git command it runs isolated from the user's signing, hooks and prompts."""
+    repo.git.update_environment(**ISOLATED_ENV)
+    return repo
+
+
+def Repo(path) -> git.Repo:  # noqa: N802 - git.Repo, isolated
+    return isolated(git.Repo(path))
 
 
 def open_repo(path: Path) -> git.Repo:
     try:
-        repo = git.Repo(path, search_parent_directories=False)
+        repo = isolated(git.Repo(path, search_parent_directories=False))
     except (git.InvalidGitRepositoryError, git.NoSuchPathError):
         raise LoopError(f"{path} is not a git repository; run `git init && git add -A && git commit -m init` "
                         "there, or pass --repo PATH") from None
@@ -47,8 +66,10 @@ def exclude_state(repo: git.Repo) -> None:
 
 
 def _git(repo: git.Repo, *args: str) -> str:
-    """Run git with a fallback identity, so commits work on machines without user.name configured."""
-    return repo.git.execute(["git", *IDENTITY, *args])
+    """Run git as the user when they configured an identity, else as autoloop (so commits always work)."""
+    reader = repo.config_reader()
+    known = reader.has_option("user", "name") and reader.has_option("user", "email")
+    return repo.git.execute(["git", *([] if known else IDENTITY), *args])
 
 
 def ensure_worktree(repo: git.Repo, tag: str, path: Path) -> git.Repo:
@@ -56,7 +77,7 @@ def ensure_worktree(repo: git.Repo, tag: str, path: Path) -> git.Repo:
     branch = f"autoloop/{tag}"
     repo.git.worktree("prune")
     if (path / ".git").exists():
-        wt = git.Repo(path)
+        wt = Repo(path)
         if wt.active_branch.name != branch:
             raise LoopError(f"{path} is checked out on {wt.active_branch.name}, not {branch}; remove it "
                             f"(git worktree remove --force {path}) and retry")
@@ -69,7 +90,7 @@ def ensure_worktree(repo: git.Repo, tag: str, path: Path) -> git.Repo:
             repo.git.worktree("add", "-b", branch, str(path), "HEAD")
     except git.GitCommandError as e:
         raise LoopError(f"could not create the worktree for {branch} at {path}: {e.stderr.strip()}") from None
-    return git.Repo(path)
+    return Repo(path)
 
 
 def changed_files(wt: git.Repo) -> list[str]:
@@ -106,7 +127,7 @@ def ensure_detached_worktree(repo: git.Repo, path: Path, commit: str) -> git.Rep
         repo.git.worktree("prune")
         path.parent.mkdir(parents=True, exist_ok=True)
         repo.git.worktree("add", "--detach", str(path), commit)
-    return git.Repo(path)
+    return Repo(path)
 
 
 def checkout_clean(wt: git.Repo, commit: str) -> None:
@@ -136,8 +157,9 @@ def apply_patch(wt: git.Repo, patch: str, three_way: bool = False) -> str:
         return ""
     args = ["git", "apply", "--binary", "--whitespace=nowarn"] + (["--3way"] if three_way else []) + ["-"]
     try:
-        proc = subprocess.run(args, cwd=wt.working_tree_dir, input=patch.encode(), capture_output=True)
-    except OSError as e:
+        proc = subprocess.run(args, cwd=wt.working_tree_dir, input=patch.encode(), capture_output=True,
+                              env={**os.environ, **ISOLATED_ENV}, timeout=GIT_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as e:
         return str(e)
     if proc.returncode != 0:
         reset_to(wt, "HEAD")  # a failed --3way leaves conflicts in the index: drop everything
@@ -154,7 +176,11 @@ def carry_over(wt: git.Repo, patch: str, patch_u0: str = "") -> str:
     if not error or not patch_u0.strip():
         return error
     args = ["git", "apply", "--binary", "--whitespace=nowarn", "--unidiff-zero", "-"]
-    proc = subprocess.run(args, cwd=wt.working_tree_dir, input=patch_u0.encode(), capture_output=True)
+    try:
+        proc = subprocess.run(args, cwd=wt.working_tree_dir, input=patch_u0.encode(), capture_output=True,
+                              env={**os.environ, **ISOLATED_ENV}, timeout=GIT_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return str(e)
     if proc.returncode != 0:
         reset_to(wt, "HEAD")
         return " ".join(proc.stderr.decode(errors="replace").split())[:200]

@@ -93,7 +93,7 @@ def build_job(ws, workdir: Path, run_dir: Path) -> Job:
         steps.append([PYTHON, "prepare.py", "--evaluate", f"{OUT}/model.pt", "--split", "val"])
         logs.append("eval.log")
         step_env.append({"AUTOLOOP_EVAL_ARTIFACT": None})
-    watch = tuple(name for name in git.Repo(workdir).git.ls_files("-z").split("\0") if name)
+    watch = tuple(name for name in gitops.Repo(workdir).git.ls_files("-z").split("\0") if name)
     return Job(steps=steps, logs=logs, env=env, timeout_s=ws.settings.hard_timeout, workdir=workdir,
                out_dir=run_dir, watch=watch, step_env=step_env)
 

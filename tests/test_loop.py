@@ -222,3 +222,29 @@ def test_one_slot_resumed_on_another_device_recovers(fake_repo, plan, tmp_path, 
     assert rows[2].description == "lost [no run of the best on FakeGPU 80GB to compare with]"
     assert rows[3].description.startswith("parent (repeat: no run of the best on FakeGPU 80GB yet)")
     assert rows[4].description.startswith("best") and rows[4].status == "keep"  # judged against #4
+
+
+def test_the_users_git_config_neither_breaks_nor_hangs_the_loop(fake_repo, plan, tmp_path):
+    """Signing with a signer that fails, hooks that fail (commit, checkout), a fsmonitor: none of it reaches the
+    loop's own git commands; the user's identity is used for the commits."""
+    repo = fake_repo(fakes.ok(1.0))
+    hooks, signer = tmp_path / "hooks", tmp_path / "signer.sh"
+    hooks.mkdir()
+    for name in ("pre-commit", "prepare-commit-msg", "commit-msg", "post-commit", "post-checkout"):
+        (hooks / name).write_text(f"#!/bin/sh\ntouch {tmp_path}/ran-{name}\nexit 1\n")
+        (hooks / name).chmod(0o755)
+    signer.write_text(f"#!/bin/sh\ntouch {tmp_path}/ran-signer\nexit 1\n")
+    signer.chmod(0o755)
+    with git.Repo(repo).config_writer() as cw:
+        cw.set_value("commit", "gpgsign", "true")
+        cw.set_value("gpg", "program", str(signer))
+        cw.set_value("core", "hooksPath", str(hooks))
+        cw.set_value("core", "fsmonitor", str(signer))
+        cw.set_value("user", "name", "Ada Lovelace")
+        cw.set_value("user", "email", "ada@example.com")
+    plan([{"description": "better", "train": fakes.ok(0.9)}, {"description": "worse", "train": fakes.ok(1.1)}])
+    run_loop(settings(repo), echo=lambda _: None)
+    assert [r.status for r in read_rows(repo / "results.tsv")] == ["keep", "keep", "discard"]
+    assert not list(tmp_path.glob("ran-*"))  # no hook, no signer, no fsmonitor ran
+    head = git.Repo(repo).heads["autoloop/t1"].commit
+    assert head.author.name == "Ada Lovelace" and head.message.startswith("autoloop t1 #2")
