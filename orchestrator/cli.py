@@ -137,6 +137,9 @@ def run(ctx: click.Context, **values) -> None:
 
     repo = resolve_repo(values.pop("repo"))
     values = apply_pyproject(ctx, values, repo)
+    if values["tag"] is not None and not TAG_RE.match(str(values["tag"])):  # a tag from [tool.autoloop] too
+        raise click.ClickException(f"tag {values['tag']!r} in [tool.autoloop] of {repo / 'pyproject.toml'}: use "
+                                   "letters, digits, '.', '_' or '-' (it names a git branch)")
     plugin_values = {kind: {o.name: values.pop(o.name) for o in plugins.options(kind)} for kind in PLUGIN_KINDS}
     for option in plugins.options("executor"):  # [tool.autoloop] values arrive unconverted: run the callbacks
         value = plugin_values["executor"][option.name]

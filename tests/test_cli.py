@@ -74,6 +74,14 @@ def test_precedence_cli_over_env_over_pyproject(tmp_path):
     assert both.returncode == 0 and "budget 3s" in both.stdout, both.stdout + both.stderr  # command line beats env
 
 
+def test_a_bad_tag_from_pyproject_is_a_clear_error(tmp_path):
+    repo = tmp_path / "repo"
+    make_repo(repo, {"train.py": fakes.ok(1.0), "pyproject.toml": '[tool.autoloop]\ntag = "a b/../c"\n'})
+    proc = autoloop("run", "--repo", str(repo))
+    assert proc.returncode == 1 and "names a git branch" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (repo / ".autoloop").exists()
+
+
 def test_unknown_pyproject_key_is_a_clear_error(tmp_path):
     repo = tmp_path / "repo"
     make_repo(repo, {"train.py": fakes.ok(1.0), "pyproject.toml": "[tool.autoloop]\nbudgett = 3\n"})
