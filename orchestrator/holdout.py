@@ -13,6 +13,7 @@ from .evaluation import holdout_text, parse_evaluation
 from .executors import OUT, PYTHON, Executor, Job
 from .ledger import write_json_atomic
 from .state import State, group_of
+from .summary import read_tail
 
 MAX_ATTEMPTS = 4  # the executor may fail (a lost node); the evaluation itself is not retried
 
@@ -77,7 +78,7 @@ def evaluate(ws, executor: Executor, commit: str, artifact: Path, out: Path) -> 
     step = result.steps[0]
     if step.timed_out:
         return None, f"the harness evaluation timed out after {job.timeout_s:.0f}s"
-    value, why = parse_evaluation(step.log.read_text(errors="replace") if step.log.exists() else "", "holdout")
+    value, why = parse_evaluation(read_tail(step.log), "holdout")
     (out / "model.pt").unlink(missing_ok=True)  # a copy of the input
     return value, why
 

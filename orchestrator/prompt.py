@@ -8,6 +8,7 @@ import click
 
 from .ledger import Record
 from .session import Paths
+from .summary import read_tail
 
 DEFAULT_PROMPT_CHARS = 48_000  # ~12k tokens: fits any model's context with room for the reply
 
@@ -60,10 +61,9 @@ def crash_tail(history: list[Record], paths: Paths) -> str:
         return ""
     last = finished[-1]
     log = paths.run_dir(last.n) / "run.log"
-    try:
-        lines = log.read_text(errors="replace").replace("\r", "\n").splitlines()
-    except OSError:
+    if not log.exists():
         return f"Experiment #{last.n} ({last.description}) crashed before training: {last.reason}"
+    lines = read_tail(log, 64 * 1024).replace("\r", "\n").splitlines()
     tail = "\n".join(lines[-LOG_TAIL_LINES:])[-4000:]
     return f"Experiment #{last.n} ({last.description}) crashed: {last.reason}\nEnd of its log:\n{tail}"
 

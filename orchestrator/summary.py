@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
+
+TAIL_BYTES = 1 << 20  # what is read of a run's log: the summary and the last error are at its end
 
 SUMMARY_KEYS = ("val_bpb", "training_seconds", "total_seconds", "peak_vram_mb", "mfu_percent",
                 "total_tokens_M", "num_steps", "num_params_M", "depth")
@@ -52,3 +55,15 @@ def last_error_line(log_text: str, limit: int = 160) -> str:
         if _ERROR.search(line) and not line.startswith("File "):
             return line[:limit]
     return lines[-1][:limit] if lines else ""
+
+
+def read_tail(path: Path, limit: int = TAIL_BYTES) -> str:
+    """The last `limit` bytes of a log as text ('' if it is missing): a run that printed gigabytes cannot
+    fill the controller's memory."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - limit))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""

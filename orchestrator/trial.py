@@ -23,7 +23,7 @@ from .plan import Ideas, Planned, as_running, parent_run
 from .progress import Progress, format_eta, last_step
 from .session import write_status
 from .state import Crash, Phase, State
-from .summary import last_error_line, parse_summary, val_bpb_of
+from .summary import last_error_line, parse_summary, read_tail, val_bpb_of
 
 PROGRESS_TICK_S = 1.0
 MAX_INFRA_RETRIES = 3  # executor failures (node lost, worker died) of one experiment before the loop stops
@@ -223,7 +223,7 @@ def measure(ws, record: Record, result: JobResult) -> Crash | None:
     if len(result.steps) > 1:
         record.timings["eval"] = result.steps[1].wall_s
     record.exit_code, record.timed_out = train_step.exit_code, train_step.timed_out
-    log_text = train_step.log.read_text(errors="replace") if train_step.log.exists() else ""
+    log_text = read_tail(train_step.log)
     record.metrics = parse_summary(log_text)
     printed = val_bpb_of(record.metrics)
     if train_step.timed_out:
@@ -248,7 +248,7 @@ def measure(ws, record: Record, result: JobResult) -> Crash | None:
     eval_step = result.steps[1]
     if eval_step.timed_out:
         return Crash(f"the harness evaluation timed out after {s.hard_timeout:.0f}s", Phase.EVALUATE)
-    measured, found, why = read_evaluation(eval_step.log.read_text(errors="replace") if eval_step.log.exists() else "")
+    measured, found, why = read_evaluation(read_tail(eval_step.log))
     if measured is None:
         return Crash(why, Phase.EVALUATE)
     record.metrics["harness_val_bpb"] = record.val_bpb = measured

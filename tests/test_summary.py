@@ -32,3 +32,16 @@ def test_last_error_line_prefers_the_exception():
     assert last_error_line(log) == "RuntimeError: CUDA out of memory"
     assert last_error_line("just output\nlast words\n") == "last words"
     assert last_error_line("") == ""
+
+
+def test_logs_are_read_from_the_tail(tmp_path):
+    """A run that prints megabytes is measured from the end of its log, without reading it all."""
+    from orchestrator.summary import read_tail
+
+    log = tmp_path / "run.log"
+    block = "---\nval_bpb:          1.234567\ntraining_seconds: 1.0\n"
+    log.write_bytes(b"x" * 5_000_000 + b"\n" + block.encode())
+    text = read_tail(log, limit=1 << 20)
+    assert len(text) <= 1 << 20 and text.endswith(block)
+    assert parse_summary(text)["val_bpb"] == 1.234567
+    assert read_tail(tmp_path / "missing.log") == ""
