@@ -111,6 +111,15 @@ def commit_all(wt: git.Repo, message: str) -> str:
     return wt.head.commit.hexsha
 
 
+def keep_only(wt: git.Repo, name: str) -> None:
+    """Drop every change in the worktree but those to `name`."""
+    path = Path(wt.working_tree_dir) / name
+    content = path.read_bytes() if path.is_file() else None
+    reset_to(wt, "HEAD")
+    if content is not None:
+        path.write_bytes(content)
+
+
 def reset_to(wt: git.Repo, commit: str) -> None:
     """Point the branch at commit and make the worktree exactly that commit (untracked files removed)."""
     wt.git.reset("--hard", "-q", commit)

@@ -76,6 +76,8 @@ def stage(ws, wt: git.Repo, record: Record, prepared) -> Crash | None:
                         "modified it. Re-run `python prepare.py --force`, then the same autoloop command to resume")
     record.timings["check"] = time.monotonic() - t
     t = time.monotonic()
+    if crash is not None:  # a failed idea is committed as its train.py alone: no stray files in the object store
+        gitops.keep_only(wt, "train.py")
     record.commit = gitops.commit_all(wt, f"autoloop {ws.settings.tag} #{record.n}: {record.description}")
     gitops.mark_tried(ws.repo, ws.settings.tag, record.n, record.commit)
     (ws.paths.run_dir(record.n) / "diff.patch").write_text(gitops.diff(wt, record.parent, record.commit))

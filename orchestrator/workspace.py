@@ -130,6 +130,7 @@ class Workspace:
             if run_dir.name.isdigit() and int(run_dir.name) > state.done:
                 dest = self.paths.state / "incomplete" / f"{run_dir.name}-{int(time.time())}"
                 dest.parent.mkdir(parents=True, exist_ok=True)
+                (run_dir / "model.pt").unlink(missing_ok=True)  # logs are kept for a look; models are large
                 shutil.move(run_dir, dest)
         gitops.reset_to(self.wt, state.best_commit)
         self.baseline_source = self.repo.git.show(f"{state.start_commit}:train.py")

@@ -52,6 +52,9 @@ def test_outcomes_are_recorded_and_branch_holds_only_keeps(fake_repo, plan, tmp_
     assert "not finite" in rows[4].description and "no val_bpb" in rows[5].description
     assert rows[6].val_bpb == 0.85  # the early fake block was ignored
     assert "edited files other than train.py: prepare.py" in rows[7].description
+    tried = user.commit(rows[7].commit)  # the failed idea is kept as its train.py alone
+    assert tried.tree["prepare.py"].data_stream.read() == user.head.commit.tree["prepare.py"].data_stream.read()
+    assert "BPB = 0.1" in tried.tree["train.py"].data_stream.read().decode()
     assert "does not compile" in rows[8].description
     assert "the run modified prepare.py" in rows[9].description
     assert all(r.val_bpb == 0.0 and r.memory_gb == 0.0 for r in rows if r.status == "crash")
