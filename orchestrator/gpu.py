@@ -46,7 +46,7 @@ def parse_header(text: str) -> tuple[str | None, tuple[int, int] | None]:
             (int(cuda.group(1)), int(cuda.group(2))) if cuda else None)
 
 
-def _smi(args: list[str], timeout: float) -> str | None:
+def smi(args: list[str], timeout: float = SMI_TIMEOUT_S) -> str | None:
     """stdout of a successful nvidia-smi call, else None. A driver wedged in the kernel can leave nvidia-smi
     unkillable: after the timeout it is killed and, if it still does not end, abandoned (never waited on)."""
     try:
@@ -67,10 +67,10 @@ def _smi(args: list[str], timeout: float) -> str | None:
 
 def nvidia_smi(timeout: float = SMI_TIMEOUT_S) -> Driver | None:
     """The NVIDIA GPUs this machine has, by nvidia-smi; None without nvidia-smi, when it fails, or lists none."""
-    gpus = parse_list(_smi(["-L"], timeout) or "")
+    gpus = parse_list(smi(["-L"], timeout) or "")
     if not gpus:
         return None
-    version, cuda = parse_header(_smi([], timeout) or "")  # GPUs listed but no header: still GPUs, version unknown
+    version, cuda = parse_header(smi([], timeout) or "")  # GPUs listed but no header: still GPUs, version unknown
     return Driver(tuple(gpus), version or "unknown", cuda)
 
 

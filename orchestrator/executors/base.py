@@ -15,7 +15,6 @@ import hashlib
 import os
 import shutil
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -23,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from ..gpu import smi
 from ..runner import run_command
 
 OUT = "{out}"  # in a step's arguments and environment: the directory the steps write logs and outputs to
@@ -132,13 +132,8 @@ def gpu_name(visible: str | None) -> str:
     if visible is not None and not visible.strip():
         return "cpu"
     first = (visible or "0").split(",")[0].strip()
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", first],
-                             capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.SubprocessError):
-        return "cpu"
-    name = out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else ""
-    return name or "cpu"
+    out = (smi(["--query-gpu=name", "--format=csv,noheader", "-i", first], timeout=20) or "").strip()
+    return out.splitlines()[0] if out else "cpu"
 
 
 def run_steps(job: Job, workdir: Path, out: Path, slot_env: dict[str, str],

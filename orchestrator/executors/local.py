@@ -7,12 +7,12 @@ slots do not fight over the same threads.
 from __future__ import annotations
 
 import os
-import subprocess
 import threading
 
 import click
 
 from ..background import Background
+from ..gpu import parse_list, smi
 from .base import Executor, Handle, Job, JobResult, Slot, run_steps
 
 
@@ -21,12 +21,7 @@ def detect_gpus() -> list[str]:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         return [d.strip() for d in visible.split(",") if d.strip() and d.strip() != "-1"]
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.SubprocessError):
-        return []
-    return [str(i) for i, line in enumerate(out.stdout.splitlines()) if line.startswith("GPU ")] \
-        if out.returncode == 0 else []
+    return [str(i) for i in range(len(parse_list(smi(["-L"], timeout=20) or "")))]
 
 
 def cpu_count() -> int:
