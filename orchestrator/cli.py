@@ -157,7 +157,7 @@ def run(ctx: click.Context, **values) -> None:
                       if name in {o.name for o in getattr(plugins.load("executor", n, Executor), "options", ())}]
             raise click.UsageError(f"--{name.replace('_', '-')} is an option of the {' / '.join(owners)} executor, "
                                    f"not of the {values['executor']} executor")
-    settings = Settings(repo=repo, tag=values["tag"] or default_tag(), budget=values["budget"],
+    settings = Settings(repo=repo, tag=values["tag"] or default_tag(), tag_given=values["tag"] is not None, budget=values["budget"],
                         timeout=values["timeout"], max_experiments=values["max_experiments"],
                         max_hours=values["max_hours"], proposer=values["proposer"], profile=values["profile"],
                         dataset=values["dataset"], seed=values["seed"], pipeline=values["pipeline"],

@@ -11,7 +11,7 @@ import git
 from . import LoopError
 
 PROTECTED = ("train.py", "prepare.py")
-GIT_TIMEOUT_S = 120.0  # a patch application that takes longer is stuck
+GIT_TIMEOUT_S = 120.0  # any git command of the loop that takes longer is stuck (a lock, a filesystem gone)
 IDENTITY = ("-c", "user.name=autoloop", "-c", "user.email=autoloop@localhost")
 # The user's git config must not break or hang the loop at 2 a.m.: no signing (a signer may prompt), no hooks
 # (an LFS or lint hook may fail or be slow), no fsmonitor daemon, and never a terminal prompt.
@@ -22,19 +22,40 @@ ISOLATED_ENV = {"GIT_TERMINAL_PROMPT": "0", "GIT_CONFIG_COUNT": str(len(ISOLATED
                 **{f"GIT_CONFIG_VALUE_{i}": v for i, v in enumerate(ISOLATED.values())}}
 
 
+class _Git(git.Git):
+    """git with a deadline: a command still running after GIT_TIMEOUT_S is killed (GitCommandError)."""
+
+    def execute(self, command, **kwargs):
+        if not kwargs.get("as_process"):
+            kwargs.setdefault("kill_after_timeout", GIT_TIMEOUT_S)
+        return super().execute(command, **kwargs)
+
+
+class _Repo(git.Repo):
+    GitCommandWrapperType = _Git
+
+
 def isolated(repo: git.Repo) -> git.Repo:
     """The repo with every git command it runs isolated from the user's signing, hooks and prompts."""
     repo.git.update_environment(**ISOLATED_ENV)
     return repo
 
 
-def Repo(path) -> git.Repo:  # noqa: N802 - git.Repo, isolated
-    return isolated(git.Repo(path))
+def Repo(path) -> git.Repo:  # noqa: N802 - git.Repo, isolated and with a deadline
+    return isolated(_Repo(path))
+
+
+def blob_sha(repo: git.Repo, commit: str, path: str) -> str:
+    """The blob id of path at commit ('' when it is not there)."""
+    try:
+        return (repo.commit(commit).tree / path).hexsha
+    except (KeyError, ValueError, git.BadName):
+        return ""
 
 
 def open_repo(path: Path) -> git.Repo:
     try:
-        repo = isolated(git.Repo(path, search_parent_directories=False))
+        repo = isolated(_Repo(path, search_parent_directories=False))
     except (git.InvalidGitRepositoryError, git.NoSuchPathError):
         raise LoopError(f"{path} is not a git repository; run `git init && git add -A && git commit -m init` "
                         "there, or pass --repo PATH") from None

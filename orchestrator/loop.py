@@ -8,6 +8,7 @@ are the state (state.replay): a restarted loop resumes where the last one stoppe
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import time
@@ -26,7 +27,7 @@ from .session import Lock, write_status
 from .settings import Settings
 from .state import State, Status
 from .trial import Run, run_generation
-from .workspace import Workspace
+from .workspace import SessionChanged, Workspace
 
 MAX_FAILED_PROPOSALS = 5  # ideas in a row that fail before training: the proposer is broken, not unlucky
 
@@ -42,7 +43,23 @@ def _terminate(signum, frame):
 
 
 def run_loop(settings: Settings, echo: Callable[[str], None] = print) -> State:
-    """Run experiments until a stop condition; returns the final state. Raises LoopError for setup problems."""
+    """Run experiments until a stop condition; returns the final state. Raises LoopError for setup problems.
+
+    A session resumes only as it was pinned (budget, data, seed, gate, train.py): under a chosen tag a change is
+    refused, under the default tag it starts the next session of the day (nov30-2, ...) and says so."""
+    tried = []
+    while True:
+        try:
+            return _session(dataclasses.replace(settings, tag=tried[-1] if tried else settings.tag), echo)
+        except SessionChanged as changed:
+            if settings.tag_given:
+                raise LoopError(str(changed)) from None
+            tried.append(f"{settings.tag}-{len(tried) + 2}")
+            echo(f"autoloop: session {changed.tag} was started with other settings ({'; '.join(changed.differences)})"
+                 f"; this run is session {tried[-1]}")
+
+
+def _session(settings: Settings, echo: Callable[[str], None]) -> State:
     ws = Workspace(settings, echo)
     proposer_cls = load(settings.proposer)
     with Lock(ws.paths.lock), open_executor(settings) as executor, signals(signal.SIGTERM, _terminate):

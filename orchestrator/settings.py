@@ -14,6 +14,7 @@ DEFAULT_GRACE_S = 120.0  # start-up and evaluation on top of twice the training 
 class Settings:
     repo: Path
     tag: str
+    tag_given: bool = False  # the tag was chosen (flag, env, pyproject): a changed session is refused, not renamed
     budget: float = 300.0
     timeout: float | None = None  # hard timeout per run (seconds); default 2 x budget + grace
     max_experiments: int | None = None

@@ -84,8 +84,11 @@ class Workspace:
             if problems:
                 raise LoopError(f"prepared data does not verify after prepare.py: {'; '.join(problems)}")
         if self.info.time_budget is not None and abs(self.info.time_budget - self.settings.budget) > 1e-9:
-            self.echo(f"autoloop: note: this harness fixes its own budget ({self.info.time_budget:g}s); "
-                      f"--budget {self.settings.budget:g} does not reach it")
+            fixed = float(self.info.time_budget)
+            self.echo(f"autoloop: note: this harness fixes its own budget ({fixed:g}s); --budget "
+                      f"{self.settings.budget:g} does not reach it, so runs are timed, audited and pinned at {fixed:g}s")
+            self.settings.budget = fixed  # the hard timeout, the clock audit, the ETA and the pin follow it
+            self.env["AUTOLOOP_TIME_BUDGET"] = f"{fixed:g}"
         if self.info.profile == "gpu" and self.info.dataset == "pystdlib" and self.info.smoke_warning:
             self.echo(f"autoloop: {self.info.smoke_warning}")
         self.prepare_sha = harness.sha256_file(pinned) if pinned.exists() else ""
@@ -107,24 +110,53 @@ class Workspace:
             self.echo(f"autoloop: moved the existing results.tsv to {kept.relative_to(self.settings.repo)}")
         link.symlink_to(target)
 
+    def pin(self) -> dict:
+        """Everything that changes what a val_bpb means: a session resumes only with all of it unchanged."""
+        gate = self.settings.gate
+        return {"budget": self.settings.budget, "profile": self.profile,
+                "dataset": (self.info.dataset if self.info else None) or self.settings.dataset,
+                "seed": self.settings.seed, "gate": f"{gate.mode} {gate.sigmas:g}σ min {gate.min_delta:g}",
+                "manifest_digest": self.manifest_digest, "prepare_sha256": self.prepare_sha}
+
+    def differences(self, pinned: dict) -> list[str]:
+        """How this run differs from the session as pinned (session.json): settings, data, a new train.py."""
+        now, was = self.pin(), pinned.get("pin") or {"manifest_digest": pinned.get("manifest_digest")}
+        out = []
+        for key, old in was.items():
+            new = now.get(key)
+            if key in now and old is not None and old != new:
+                if key in ("manifest_digest", "prepare_sha256"):
+                    what = "the prepared data (evaluation sizes or files)" if key == "manifest_digest" else "prepare.py"
+                    out.append(f"{what} differs from the session's")
+                else:
+                    unit = "s" if key == "budget" else ""
+                    out.append(f"{key} {old:g}{unit} (now {new:g}{unit})" if key == "budget"
+                               else f"{key} {old} (now {new})")
+        start, head = pinned["start_commit"], self.repo.head.commit.hexsha
+        if head != start:
+            moved = [f for f in ("train.py", "prepare.py") if gitops.blob_sha(self.repo, start, f) !=
+                     gitops.blob_sha(self.repo, head, f)]
+            if moved:
+                out.append(f"{' and '.join(moved)} changed since the session started (HEAD {start[:7]} -> {head[:7]})")
+        return out
+
     def resume(self) -> State:
-        """Rebuild the state from the records; set half-finished experiments aside; put the branch at the best."""
-        kill_orphan(read_status(self.paths))
+        """Rebuild the state from the records; set half-finished experiments aside; put the branch at the best.
+        SessionChanged if the session was started with other settings, data or train.py."""
         session = self.paths.session
         if session.exists():
             pinned = json.loads(session.read_text())
+            if changes := self.differences(pinned):
+                raise SessionChanged(self.settings.tag, changes)
             start_commit = pinned["start_commit"]
-            if pinned.get("manifest_digest", self.manifest_digest) != self.manifest_digest:
-                raise LoopError(f"the prepared data differs from the data session {self.settings.tag!r} started "
-                                "with (evaluation sizes or files): its results would not be comparable. Start a "
-                                "new session (--tag NEW), or restore the data it was prepared with")
         else:
             start_commit = self.wt.head.commit.hexsha
             env = {k: v for k, v in self.env.items() if k in SESSION_ENV}  # what `autoloop report` evaluates with
             write_json_atomic(session, {"start_commit": start_commit, "tag": self.settings.tag,
                                         "prepare_sha256": self.prepare_sha, "manifest_digest": self.manifest_digest,
-                                        "env": env, "artifacts": bool(self.info and self.info.artifacts),
-                                        "created": time.time()})
+                                        "pin": self.pin(), "env": env,
+                                        "artifacts": bool(self.info and self.info.artifacts), "created": time.time()})
+        kill_orphan(read_status(self.paths))
         state = replay(load_records(self.paths), start_commit)
         for run_dir in self.paths.runs.iterdir():
             if run_dir.name.isdigit() and int(run_dir.name) > state.done:
@@ -184,6 +216,16 @@ class Workspace:
             self.pids.pop(str(record.slot or 0), None)
             write_status(self.paths, phase="idle", train_pid=None, train_pids=dict(self.pids), last=record.n,
                          sigma=sigma.value, sigma_dof=sigma.dof)
+
+
+class SessionChanged(LoopError):
+    """The session under this tag was started with other settings, data or train.py."""
+
+    def __init__(self, tag: str, differences: list[str]):
+        super().__init__(f"session {tag!r} was started with other settings: {'; '.join(differences)}. Its results "
+                         f"would not be comparable: run with the session's settings to resume it, or start a new "
+                         f"session (--tag {tag}-2, or leave out --tag to get a fresh one)")
+        self.tag, self.differences = tag, differences
 
 
 def kill_orphan(status: dict) -> None:

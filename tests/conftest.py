@@ -27,12 +27,16 @@ def make_repo(path: Path, files: dict[str, str]) -> git.Repo:
     return repo
 
 
+# A harness that takes its budget from the controller (upstream's fixes 300 s: see test_stop's budget test).
+PREPARE = 'import os\nTIME_BUDGET = float(os.environ.get("AUTOLOOP_TIME_BUDGET", "300"))\n'
+
+
 @pytest.fixture
 def fake_repo(tmp_path):
     """Factory: a repo with a fake train.py (and a trivial prepare.py) committed."""
 
     def factory(train: str, extra: dict[str, str] | None = None) -> Path:
-        files = {"train.py": train, "prepare.py": "TIME_BUDGET = 300\n", **(extra or {})}
+        files = {"train.py": train, "prepare.py": PREPARE, **(extra or {})}
         make_repo(tmp_path / "repo", files)
         return tmp_path / "repo"
 
