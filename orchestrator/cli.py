@@ -118,6 +118,12 @@ def main() -> None:
 @click.option("--max-repeats", type=click.IntRange(min=1), default=3, show_default=True,
               envvar="AUTOLOOP_MAX_REPEATS", show_envvar=True,
               help="Runs of one candidate at most, when it is better but inside the margin.")
+@click.option("--max-crashes", type=click.IntRange(min=1), default=5, show_default=True,
+              envvar="AUTOLOOP_MAX_CRASHES", show_envvar=True,
+              help="Stop after this many crashes in a row (a failing GPU, disk or proposer; not only bad ideas).")
+@click.option("--max-log-mb", type=click.FloatRange(min=1), default=64.0, show_default=True,
+              envvar="AUTOLOOP_MAX_LOG_MB", show_envvar=True,
+              help="Cap of each run's log in MiB; its first and last halves are kept.")
 @click.option("--workers", type=click.IntRange(min=1), envvar="AUTOLOOP_WORKERS", show_envvar=True,
               help="Experiments at once (more than 1: generations, see README).  [default: one per GPU, else 1]")
 @click.option("--executor", type=click.Choice(plugins.available("executor")), default="local", show_default=True,
@@ -164,7 +170,8 @@ def run(ctx: click.Context, **values) -> None:
                         max_tokens=values["max_tokens"], max_cost=values["max_cost"],
                         options={k: v for k, v in plugin_values["proposer"].items() if v is not None},
                         gate=Gate(values["gate"], values["gate_sigmas"], values["min_delta"], values["max_repeats"]),
-                        baseline_repeats=values["baseline_repeats"], executor=values["executor"],
+                        baseline_repeats=values["baseline_repeats"], max_crashes=values["max_crashes"],
+                        max_log_mb=values["max_log_mb"], executor=values["executor"],
                         workers=values["workers"],
                         executor_options={k: v for k, v in plugin_values["executor"].items()
                                           if v is not None and k in own})

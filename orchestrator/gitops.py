@@ -161,9 +161,10 @@ def ensure_detached_worktree(repo: git.Repo, path: Path, commit: str) -> git.Rep
 
 
 def checkout_clean(wt: git.Repo, commit: str) -> None:
-    """Detached HEAD at commit with a pristine tree (a proposal starts from exactly the base commit)."""
+    """Detached HEAD at commit with a pristine tree, ignored files gone too (a proposal starts from exactly the
+    base commit; what earlier runs left, e.g. checkpoints under an ignored name, does not pile up)."""
     wt.git.checkout("-q", "--detach", "--force", commit)
-    wt.git.clean("-fdq")
+    wt.git.clean("-fdxq")
 
 
 def diff_all(wt: git.Repo, base: str, context: int = 3) -> str:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from .ledger import Record
+from .ledger import Record, Row
 from .noise import Gate, Sigma, judge
 from .state import Decision, State, Status, group_of
 
@@ -119,6 +119,14 @@ def gate_fields(verdict, candidate: list[float], parent: list[float], sigma: Sig
     return {"decision": Decision(verdict.decision), "runs": len(candidate), "mean": statistics.fmean(candidate),
             "best_mean": statistics.fmean(parent), "margin": verdict.margin, "delta": verdict.delta,
             "sigma": sigma.value, "sigma_dof": sigma.dof, "why": verdict.why}
+
+
+def row_of(record: Record) -> Row:
+    """The record's row in results.tsv."""
+    crashed = record.status == Status.CRASH
+    bpb, description = row_text(record)
+    return Row(record.commit, bpb, 0.0 if crashed else float(record.metrics.get("peak_vram_mb", 0.0)) / 1024,
+               0.0 if crashed else float(record.metrics.get("mfu_percent", 0.0)), str(record.status), description)
 
 
 def row_text(record: Record) -> tuple[float, str]:

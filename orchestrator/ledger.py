@@ -8,6 +8,8 @@ import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from . import LoopError
+
 COLUMNS = ("commit", "val_bpb", "memory_gb", "mfu_percent", "status", "description")
 STATUSES = ("keep", "discard", "crash")
 
@@ -52,6 +54,7 @@ class Record:
     device: str = ""  # what it ran on, as the executor saw it (e.g. "NVIDIA H100 80GB HBM3", "cpu")
     slot: int | None = None  # the executor slot (parallel runs)
     phase: str = ""  # where a crash happened: propose, check, train, evaluate, audit
+    cause: str = ""  # a crash's cause: idea | environment (the search learns nothing from the environment's)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -95,15 +98,29 @@ def append_row(path: Path, row: Row) -> None:
 
 
 def read_rows(path: Path) -> list[Row]:
+    """The rows of results.tsv; a malformed one is a LoopError naming its line (a last line still being written
+    is left out)."""
     if not path.exists():
         return []
+    data = path.read_bytes()
+    lines = data.split(b"\n")[1:]
+    if not data.endswith(b"\n"):
+        lines = lines[:-1]
     rows = []
-    for line in path.read_text(encoding="utf-8").splitlines()[1:]:
-        parts = line.split("\t")
-        if len(parts) < len(COLUMNS) or not line:
+    for number, raw in enumerate(lines, start=2):
+        if not raw.strip():
             continue
-        commit, bpb, mem, mfu, status, desc = parts[:6]
-        rows.append(Row(commit, float(bpb), float(mem), float(mfu), status, desc))
+        try:
+            commit, bpb, mem, mfu, status, desc = raw.decode("utf-8").split("\t", 5)
+            rows.append(Row(commit, float(bpb), float(mem), float(mfu), status, desc))
+            if status not in STATUSES or not commit.strip():
+                raise ValueError(f"status {status!r} is not one of {', '.join(STATUSES)}")
+        except (UnicodeDecodeError, ValueError) as e:
+            why = "it is not UTF-8" if isinstance(e, UnicodeDecodeError) else \
+                "it does not have 6 tab-separated columns" if "unpack" in str(e) else str(e)
+            raise LoopError(f"{path} line {number} cannot be read ({why}): {raw[:80].decode(errors='replace')!r}. "
+                            "Repair the line by hand (its record is runs/<n>/record.json, n = line - 1), or "
+                            "restore the file") from None
     return rows
 
 

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 import os
 import signal
 import time
+from collections import Counter
 from typing import Callable, Iterator
 
 from . import LoopError, gitops
@@ -25,11 +27,10 @@ from .progress import Progress
 from .proposers import Context, load
 from .session import Lock, write_status
 from .settings import Settings
-from .state import State, Status
+from .spend import Spend
+from .state import Cause, State, Status
 from .trial import Run, run_generation
 from .workspace import SessionChanged, Workspace
-
-MAX_FAILED_PROPOSALS = 5  # ideas in a row that fail before training: the proposer is broken, not unlucky
 
 __all__ = ["Settings", "Terminated", "run_loop"]
 
@@ -66,7 +67,7 @@ def _session(settings: Settings, echo: Callable[[str], None]) -> State:
         ws.open(executor)
         state = ws.resume()
         proposer = proposer_cls(Context(repo=settings.repo, tag=settings.tag, seed=settings.seed,
-                                        profile=ws.profile, options=dict(settings.options)))
+                                        profile=ws.profile, options=dict(settings.options), spend=ws.spend))
         ideas = Ideas(ws, proposer, proposer.pipeline if settings.pipeline is None else bool(settings.pipeline))
         for record in state.records:
             proposer.observe(record)
@@ -74,11 +75,11 @@ def _session(settings: Settings, echo: Callable[[str], None]) -> State:
             echo(line)
         progress, started, stop = Progress(), time.time(), ""
         try:
-            while not (stop := stop_reason(settings, state, started)):
+            while not (stop := stop_reason(settings, state, started, ws.spend)):
                 remaining = None if settings.max_experiments is None else settings.max_experiments - state.done
                 planned = plan(ws, ideas, state, slots_for(ws, executor, state, remaining))
                 if not planned:
-                    stop = "the proposer has no more ideas"
+                    stop = ws.spend.exceeded() or "the proposer has no more ideas"
                     break
                 runs = run_generation(ws, executor, state, planned, ideas, progress, remaining)
                 record_generation(ws, state, runs, ideas, progress)
@@ -154,6 +155,7 @@ def finished(ws: Workspace, state: State, run: Run) -> Finished:
     record = run.record
     if run.crash:
         record.reason, record.phase, record.val_bpb = run.crash.reason, run.crash.phase.value, None
+        record.cause = run.crash.cause.value
         return Finished(record, run.kind, crashed=True)
     shorter = False
     if run.kind in ("candidate", "rerun", "confirm") and state.best_group:
@@ -193,32 +195,47 @@ def stopped(ws: Workspace, executor: Executor, state: State, ideas: Ideas, progr
         ws.echo("autoloop: held-out check skipped (`autoloop report` can make it later)")
 
 
-def stop_reason(settings: Settings, state: State, started: float) -> str:
+def stop_reason(settings: Settings, state: State, started: float, spend: Spend) -> str:
     if settings.max_experiments is not None and state.done >= settings.max_experiments:
         return f"reached --max-experiments {settings.max_experiments}"
     if settings.max_hours is not None and time.time() - started >= settings.max_hours * 3600:
         return f"reached --max-hours {settings.max_hours:g}"
-    tokens, cost = state.usage()
-    if settings.max_tokens is not None and tokens >= settings.max_tokens:
-        return f"reached --max-tokens {settings.max_tokens} ({tokens} used)"
-    if settings.max_cost is not None and cost >= settings.max_cost:
-        return f"reached --max-cost {settings.max_cost:g} (${cost:.2f} spent)"
-    return ""
+    return spend.exceeded()
 
 
 def check_health(ws: Workspace, state: State, runs: list[Run]) -> None:
-    """Stop (LoopError) when going on cannot help: the baseline crashed, or the proposer keeps failing."""
+    """The circuit breaker: stop (LoopError) when going on cannot help and would only write crash rows all
+    night: the baseline crashed, a run of the unchanged best crashed (it ran before: the machine is failing), or
+    the last --max-crashes experiments all crashed."""
     if not state.best_group:
         first = runs[0].record
         where = " on every slot" if len(runs) > 1 else ""
         raise LoopError(f"the unmodified baseline crashed{where} ({first.reason}); fix train.py or the "
                         f"environment, see {ws.paths.run_dir(first.n) / 'run.log'}")
-    recent = state.records[-MAX_FAILED_PROPOSALS:]
-    if len(recent) == MAX_FAILED_PROPOSALS and all(r.status == Status.CRASH and "train" not in r.timings
-                                                    for r in recent):
-        raise LoopError(f"the last {MAX_FAILED_PROPOSALS} ideas all failed before training (last: "
-                        f"{recent[-1].reason}); check the proposer's settings and its log in "
-                        f"runs/{recent[-1].n}/, then run the same command to resume")
+    for run in runs:
+        if run.kind == "parent" and run.crash:
+            raise LoopError(f"experiment {run.record.n}, a run of the unchanged best that ran before, crashed "
+                            f"({run.record.reason}): the environment is failing, not an idea. Fix it (see "
+                            f"{ws.paths.run_dir(run.record.n) / 'run.log'}), then run the same command to resume")
+    k = ws.settings.max_crashes
+    recent = state.records[-k:]
+    if len(recent) < k or not all(r.status == Status.CRASH for r in recent):
+        return
+    if all("train" not in r.timings for r in recent):
+        raise LoopError(f"the last {k} ideas all failed before training (last: {recent[-1].reason}); check the "
+                        f"proposer's settings and its log in runs/{recent[-1].n}/, then run the same command to resume")
+    raise LoopError(f"the last {k} experiments all crashed ({common_cause(recent)}); fix the cause (see "
+                    f"{ws.paths.run_dir(recent[-1].n) / 'run.log'}), then run the same command to resume "
+                    f"(--max-crashes sets how many crashes in a row stop the loop)")
+
+
+def common_cause(records: list[Record]) -> str:
+    """What a run of crashes shares: the most common reason (exit codes aside), with how many had it."""
+    reasons = Counter(re.sub(r"^exit code -?\d+: ", "", r.reason) for r in records)
+    reason, count = reasons.most_common(1)[0]
+    blamed = sum(r.cause == Cause.ENVIRONMENT for r in records)
+    return (f"{'all' if count == len(records) else f'{count} of {len(records)}'}: {reason}"
+            + (f"; {blamed} blamed on the environment" if blamed else ""))
 
 
 def header(settings: Settings, executor: Executor, state: State, pipeline: bool) -> list[str]:

@@ -42,8 +42,9 @@ def make_proposal(ws, proposer: Proposer, base: str, history: list[Record]) -> P
     wt = ws.proposal_worktree(base)
     workdir = ws.paths.proposal
     prepared = Prepared(base=base)
+    reported = ws.spend.requests
     try:
-        idea = ws.queue.next(history)
+        idea = ws.queue.next(history, ws.settings.tag)
         result = apply_idea(idea, workdir, ws.profile) if idea else proposer.propose(workdir, history)
     except ProposalFailed as e:
         result = Proposal(e.description, e.info, e.log)
@@ -57,6 +58,8 @@ def make_proposal(ws, proposer: Proposer, base: str, history: list[Record]) -> P
         result = result if isinstance(result, Proposal) else Proposal(str(result))
         prepared.description = " ".join(result.description.split())[:300] or "(no description)"
         prepared.info, prepared.log = dict(result.info), result.log
+        if ws.spend.requests == reported and isinstance(prepared.info.get("usage"), dict):
+            ws.spend.add(prepared.info["usage"], proposer.name)  # counted now: the idea may never run
         prepared.patch = gitops.diff_all(wt, base)
         prepared.patch_u0 = gitops.diff_all(wt, base, context=0)
     prepared.seconds = time.monotonic() - t0

@@ -1,12 +1,14 @@
 """The user's idea queue (.autoloop/queue.jsonl): ideas queued with `autoloop queue add` run first, in order.
 
-The file is an append-only log of `add`, `rm` and `done` entries, so `autoloop queue add` can write to it
-while a loop reads it. An idea counts as done once its experiment is recorded (its record carries the id).
+The file is an append-only log of `add`, `rm`, `claim` and `done` entries, so `autoloop queue add` can write to
+it while a loop reads it. An idea counts as done once its experiment is recorded (its record carries the id).
+A session claims an idea when it takes it: while that session runs, no other session of the repo takes it.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import fcntl
 import json
 import os
@@ -18,6 +20,7 @@ from pathlib import Path
 from .hparams import read_constants, set_constant
 from .ledger import Record
 from .proposers.base import Proposal, ProposalFailed
+from .session import is_locked
 
 
 @dataclass
@@ -66,10 +69,16 @@ class Queue:
                 continue  # a line cut short by a crash
         return out
 
-    def add(self, description: str, assignments: dict[str, str] | None = None, patch: str = "") -> Idea:
+    @contextlib.contextmanager
+    def _locked(self):
+        """The queue's lock: ids stay unique when two terminals add at once, and a claim is one session's."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path.with_suffix(".lock"), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # ids stay unique when two terminals add at once
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
+
+    def add(self, description: str, assignments: dict[str, str] | None = None, patch: str = "") -> Idea:
+        with self._locked():
             next_id = 1 + max((e["id"] for e in self.entries() if e.get("op") == "add"), default=0)
             idea = Idea(next_id, " ".join(description.split()), dict(assignments or {}), patch, time.time())
             self._append({"op": "add", **idea.__dict__})
@@ -93,10 +102,21 @@ class Queue:
                 gone.add(e["id"])
         return [idea for i, idea in sorted(ideas.items()) if i not in gone]
 
-    def next(self, history: list[Record]) -> Idea | None:
+    def next(self, history: list[Record], tag: str | None = None) -> Idea | None:
+        """The first waiting idea this session has not run, claimed for session `tag` (an idea claimed by
+        another session that is still running is left to it)."""
         recorded = {r.info.get("queue_id") for r in history if r.info.get("queue_id") is not None}
-        pending = self.pending(recorded)
-        return pending[0] if pending else None
+        with self._locked():
+            entries = self.entries()
+            owners = {e["id"]: e["tag"] for e in entries if e.get("op") == "claim"}
+            for idea in self.pending(recorded):
+                owner = owners.get(idea.id)
+                if owner is not None and owner != tag and is_locked(self.path.parent / owner / "lock"):
+                    continue
+                if tag is not None and owner != tag:
+                    self._append({"op": "claim", "id": idea.id, "tag": tag})
+                return idea
+        return None
 
 
 def apply_idea(idea: Idea, workdir: Path, profile: str | None) -> Proposal:

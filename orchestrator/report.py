@@ -15,6 +15,7 @@ import pandas as pd
 from .evaluation import holdout_text
 from .ledger import read_record
 from .session import Paths
+from .spend import Spend
 from .state import load_state
 
 
@@ -45,8 +46,8 @@ def facts(paths: Paths) -> dict:
         crash_reasons[reason] += 1
     seconds = sum((r.ended - r.started) for r in records.values() if r and r.ended)
     train_s = sum(r.timings.get("train", 0.0) for r in records.values() if r)
-    tokens = sum(int(r.info.get("usage", {}).get("total_tokens", 0)) for r in records.values() if r)
-    cost = sum(float(r.info.get("usage", {}).get("cost", 0.0)) for r in records.values() if r)
+    spend = Spend(paths.spend)  # every request, whether its idea ran or not
+    tokens, cost = spend.tokens, spend.cost
     holdout_path = paths.state / "holdout.json"
     return {
         "tag": paths.tag,

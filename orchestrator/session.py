@@ -55,6 +55,10 @@ class Paths:
         return self.state / "session.json"
 
     @property
+    def spend(self) -> Path:
+        return self.state / "spend.jsonl"
+
+    @property
     def lock(self) -> Path:
         return self.state / "lock"
 

@@ -29,6 +29,8 @@ class Settings:
     max_cost: float | None = None  # ... or this many dollars (needs prices in the proposer options)
     options: dict = field(default_factory=dict)  # proposer options (agent command, LLM endpoint, ...)
     gate: Gate = field(default_factory=Gate)  # the keep rule (noise-aware by default)
+    max_log_mb: float = 64.0  # a run's log keeps its first and last half of this many MiB
+    max_crashes: int = 5  # crashes in a row that stop the loop (the circuit breaker)
     baseline_repeats: int = 2  # extra runs of the baseline, to measure σ
     startup_allowance: float = 60.0  # seconds of start-up allowed on top of the budget before "budget exceeded"
     executor: str = "local"  # a registered executor: local | ray | inline | a plugin's

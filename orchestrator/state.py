@@ -14,6 +14,7 @@ import statistics
 from dataclasses import dataclass, field
 from enum import Enum
 
+from . import LoopError
 from .ledger import Record, read_record, read_rows
 from .noise import Sigma, pooled_sigma
 from .session import Paths
@@ -54,10 +55,18 @@ class Phase(_Word):
     AUDIT = "audit"
 
 
+class Cause(_Word):
+    """Who a crash is put down to (record.json `cause`): proposers learn only from the idea's crashes."""
+
+    IDEA = "idea"  # a shape error, the OOM of a bigger model, NaN, a timeout, an edit that may not run
+    ENVIRONMENT = "environment"  # the device lost, a driver error, a full disk, a broken install
+
+
 @dataclass(frozen=True)
 class Crash:
     reason: str
     phase: Phase
+    cause: Cause = Cause.IDEA
 
 
 def group_of(record: Record) -> int:
@@ -136,11 +145,24 @@ def replay(records: list[Record], start_commit: str) -> State:
 
 
 def load_records(paths: Paths) -> list[Record]:
-    """Each row's record.json (a row whose record is missing stands for itself), by row number."""
-    return [read_record(paths.run_dir(n)) or Record(n=n, status=row.status, description=row.description,
-                                                     commit=row.commit,
-                                                     val_bpb=row.val_bpb if row.status != "crash" else None)
-            for n, row in enumerate(read_rows(paths.ledger), start=1)]
+    """Each row's record.json (a row whose record is missing stands for itself), by row number, each row and
+    record checked to be the same run (a row deleted or edited by hand is a LoopError naming the line and
+    what belongs there, never a shifted state)."""
+    records = []
+    for n, row in enumerate(read_rows(paths.ledger), start=1):
+        record = read_record(paths.run_dir(n))
+        if record is None:
+            record = Record(n=n, status=row.status, description=row.description, commit=row.commit,
+                            val_bpb=row.val_bpb if row.status != "crash" else None)
+        elif record.n != n or not record.commit.startswith(row.commit) or record.status != row.status:
+            from .judge import row_of  # judge builds on this module
+
+            raise LoopError(f"{paths.ledger} line {n + 1} ({row.commit} {row.status} {row.description[:40]!r}) is not "
+                            f"run {n} (commit {record.commit[:7]}, {record.status}): a row was deleted or edited "
+                            f"by hand. Restore the rows in order (line {n + 1} is, from runs/{n}/record.json: "
+                            f"{row_of(record).to_line().strip()!r}), then run the same command to resume")
+        records.append(record)
+    return records
 
 
 def load_state(paths: Paths) -> State:

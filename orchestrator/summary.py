@@ -11,6 +11,13 @@ TAIL_BYTES = 1 << 20  # what is read of a run's log: the summary and the last er
 SUMMARY_KEYS = ("val_bpb", "training_seconds", "total_seconds", "peak_vram_mb", "mfu_percent",
                 "total_tokens_M", "num_steps", "num_params_M", "depth")
 _LINE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*):\s*(\S.*?)\s*$")
+# What a crash looks like when the machine, not the idea, failed: the device, the driver, the disk, the install.
+_ENVIRONMENT = re.compile(
+    r"No space left on device|Disk quota exceeded|Read-only file system|ModuleNotFoundError|ImportError|"
+    r"CUDA driver|driver version is insufficient|cudaErrorDevicesUnavailable|busy or unavailable|"
+    r"no CUDA-capable device|No CUDA GPUs are available|fallen off the bus|GPU is lost|device lost|"
+    r"CUDA error: unknown error|ECC error|uncorrectable|NCCL error|HIP error: no ROCm-capable|"
+    r"CUDA error: (?:initialization error|launch failure)")
 _ERROR = re.compile(r"(Error|Exception|FAIL|Traceback|Killed|error:|out of memory)", re.IGNORECASE)
 
 
@@ -55,6 +62,15 @@ def last_error_line(log_text: str, limit: int = 160) -> str:
         if _ERROR.search(line) and not line.startswith("File "):
             return line[:limit]
     return lines[-1][:limit] if lines else ""
+
+
+def environment_error(log_text: str) -> str:
+    """The line of a crashed run's log that blames the environment (device, driver, disk, install), or ''."""
+    lines = log_text.replace("\r", "\n").splitlines()[-200:]
+    for line in reversed(lines):
+        if _ENVIRONMENT.search(line) and not line.strip().startswith("File "):
+            return line.strip()[:160]
+    return ""
 
 
 def read_tail(path: Path, limit: int = TAIL_BYTES) -> str:

@@ -22,8 +22,8 @@ from .ledger import Record
 from .plan import Ideas, Planned, as_running, parent_run
 from .progress import Progress, format_eta, last_step
 from .session import write_status
-from .state import Crash, Phase, State
-from .summary import last_error_line, parse_summary, read_tail, val_bpb_of
+from .state import Cause, Crash, Phase, State
+from .summary import environment_error, last_error_line, parse_summary, read_tail, val_bpb_of
 
 PROGRESS_TICK_S = 1.0
 MAX_INFRA_RETRIES = 3  # executor failures (node lost, worker died) of one experiment before the loop stops
@@ -97,7 +97,7 @@ def build_job(ws, workdir: Path, run_dir: Path) -> Job:
         step_env.append({"AUTOLOOP_EVAL_ARTIFACT": None})
     watch = tuple(name for name in gitops.Repo(workdir).git.ls_files("-z").split("\0") if name)
     return Job(steps=steps, logs=logs, env=env, timeout_s=ws.settings.hard_timeout, workdir=workdir,
-               out_dir=run_dir, watch=watch, step_env=step_env)
+               out_dir=run_dir, watch=watch, step_env=step_env, log_cap=int(ws.settings.max_log_mb * (1 << 20)))
 
 
 def submit(ws, executor: Executor, job: Job, slot: Slot, record: Record) -> Handle:
@@ -219,7 +219,7 @@ def measure(ws, record: Record, result: JobResult) -> Crash | None:
     s = ws.settings
     record.device = result.device
     if not result.steps:
-        return Crash("the run did not start", Phase.TRAIN)
+        return Crash("the run did not start", Phase.TRAIN, Cause.ENVIRONMENT)
     train_step = result.steps[0]
     record.timings["train"] = train_step.wall_s
     if len(result.steps) > 1:
@@ -231,7 +231,9 @@ def measure(ws, record: Record, result: JobResult) -> Crash | None:
     if train_step.timed_out:
         return Crash(f"timeout after {s.hard_timeout:.0f}s", Phase.TRAIN)
     if train_step.exit_code != 0:
-        return Crash(f"exit code {train_step.exit_code}: {last_error_line(log_text)}".rstrip(": "), Phase.TRAIN)
+        blamed = environment_error(log_text)
+        return Crash(f"exit code {train_step.exit_code}: {blamed or last_error_line(log_text)}".rstrip(": "),
+                     Phase.TRAIN, Cause.ENVIRONMENT if blamed else Cause.IDEA)
     if result.modified:
         return Crash(f"the run modified {', '.join(result.modified)}", Phase.AUDIT)
     if "val_bpb" not in record.metrics:
@@ -252,7 +254,8 @@ def measure(ws, record: Record, result: JobResult) -> Crash | None:
         return Crash(f"the harness evaluation timed out after {s.hard_timeout:.0f}s", Phase.EVALUATE)
     measured, found, why = read_evaluation(read_tail(eval_step.log))
     if measured is None:
-        return Crash(why, Phase.EVALUATE)
+        blamed = environment_error(read_tail(eval_step.log)) if eval_step.exit_code else ""
+        return Crash(f"{why}: {blamed}" if blamed else why, Phase.EVALUATE, Cause.ENVIRONMENT if blamed else Cause.IDEA)
     record.metrics["harness_val_bpb"] = record.val_bpb = measured
     for key, name in (("seconds", "eval_seconds"), ("peak_mb", "eval_peak_mb"), ("eval_tokens", "eval_tokens")):
         if isinstance(found.get(key), (int, float)):

@@ -14,13 +14,14 @@ import psutil
 
 from . import LoopError, gitops, gpu, harness
 from .executors import Executor
-from .judge import row_text
-from .ledger import Record, Row, append_row, ensure_header, write_json_atomic, write_record
+from .judge import row_of
+from .ledger import Record, append_row, ensure_header, write_json_atomic, write_record
 from .queue import Queue
 from .runner import kill_tree
 from .session import Paths, read_status, write_status
 from .settings import Settings
-from .state import State, Status, load_records, replay
+from .spend import Spend
+from .state import State, load_records, replay
 
 
 SESSION_ENV = ("AUTOLOOP_TIME_BUDGET", "AUTOLOOP_SEED", "AUTOLOOP_PROFILE", "AUTOLOOP_DATASET", "AUTOLOOP_CACHE",
@@ -42,6 +43,7 @@ class Workspace:
         self.prepare_sha = self.manifest_digest = ""
         self.baseline_source = ""
         self.queue = Queue(self.paths.queue)
+        self.spend = Spend(self.paths.spend, settings.max_tokens, settings.max_cost)
         self.started = time.time()
         self._proposal_wt = None
         self.pids: dict[str, list[float]] = {}  # slot -> [pid, create time] of the process it runs here
@@ -147,7 +149,13 @@ class Workspace:
         if session.exists():
             pinned = json.loads(session.read_text())
             if changes := self.differences(pinned):
-                raise SessionChanged(self.settings.tag, changes)
+                if load_records(self.paths):
+                    raise SessionChanged(self.settings.tag, changes)
+                self.echo(f"autoloop: session {self.settings.tag} recorded nothing yet; it starts again from HEAD "
+                          f"with these settings ({'; '.join(changes)})")
+                session.unlink()
+                gitops.reset_to(self.wt, self.repo.head.commit.hexsha)
+        if session.exists():
             start_commit = pinned["start_commit"]
         else:
             start_commit = self.wt.head.commit.hexsha
@@ -158,6 +166,9 @@ class Workspace:
                                         "artifacts": bool(self.info and self.info.artifacts), "created": time.time()})
         kill_orphan(read_status(self.paths))
         state = replay(load_records(self.paths), start_commit)
+        if not self.paths.spend.exists():  # a session from before the spend ledger: what its records carry
+            tokens, cost = state.usage()
+            self.spend.add({"total_tokens": tokens, "cost": cost}, "recorded before the spend ledger")
         for run_dir in self.paths.runs.iterdir():
             if run_dir.name.isdigit() and int(run_dir.name) > state.done:
                 dest = self.paths.state / "incomplete" / f"{run_dir.name}-{int(time.time())}"
@@ -196,13 +207,7 @@ class Workspace:
         keep the saved models of the baseline and the best only."""
         record.ended = time.time()
         write_record(self.paths.run_dir(record.n), record)
-        crashed = record.status == Status.CRASH
-        bpb, description = row_text(record)
-        append_row(self.paths.ledger, Row(record.commit, bpb,
-                                          0.0 if crashed else float(record.metrics.get("peak_vram_mb", 0.0)) / 1024,
-                                          0.0 if crashed else float(record.metrics.get("mfu_percent", 0.0)),
-                                          record.status.value if isinstance(record.status, Status) else record.status,
-                                          description))
+        append_row(self.paths.ledger, row_of(record))
         previous_best = state.best_run
         state.add(record)
         for n in {record.n, previous_best} - {state.baseline_run, state.best_run}:

@@ -126,3 +126,177 @@ def test_every_git_command_of_the_loop_has_a_deadline(fake_repo, monkeypatch):
     with pytest.raises(git.GitCommandError):
         repo.git.execute(["git", "-c", "alias.stuck=!sleep 30", "stuck"])
     assert time.monotonic() - started < 10
+
+
+def failing(message: str) -> str:
+    return f'print("step 1")\nraise OSError({message!r})\n'
+
+
+def test_the_circuit_breaker_stops_a_night_of_environment_crashes(fake_repo, plan):
+    """Old: a full disk (or a GPU off the bus) made every later run crash seconds in, and the loop wrote crash
+    rows all night. Now the last --max-crashes crashes in a row stop it, naming the shared cause."""
+    repo = fake_repo(fakes.ok(1.0))
+    plan([{"description": f"idea {i}", "train": failing("[Errno 28] No space left on device")} for i in range(8)])
+    proc = autoloop(repo, "--tag", "c", "--budget", "1", "--max-experiments", "10", "--proposer", "fakes:Scripted",
+                    "--baseline-repeats", "0")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "the last 5 experiments all crashed (all: OSError: [Errno 28] No space left on device; 5 blamed on the " \
+           "environment)" in proc.stderr, proc.stderr
+    assert [r.status for r in rows(repo, "c")] == ["keep"] + ["crash"] * 5
+    assert read_record(Paths(repo, "c").run_dir(2)).cause == "environment"
+    fewer = autoloop(repo, "--tag", "c2", "--budget", "1", "--max-experiments", "10", "--proposer",
+                     "fakes:Scripted", "--baseline-repeats", "0", "--max-crashes", "2")
+    assert fewer.returncode == 1 and "the last 2 experiments all crashed" in fewer.stderr
+    assert len(rows(repo, "c2")) == 3
+
+
+def test_a_crashed_run_of_the_unchanged_best_stops_the_loop(fake_repo, tmp_path):
+    """The best ran before: when a repeat of it crashes, the machine is failing, and every idea would too."""
+    marker = tmp_path / "ran-once"
+    train = (f"import pathlib\nm = pathlib.Path({str(marker)!r})\nif m.exists():\n"
+             f"    raise RuntimeError('CUDA error: unknown error')\nm.write_text('x')\n" + fakes.ok(1.0))
+    repo = fake_repo(train)
+    proc = autoloop(repo, "--tag", "b", "--budget", "1", "--max-experiments", "10", "--baseline-repeats", "2")
+    assert proc.returncode == 1 and "a run of the unchanged best that ran before, crashed" in proc.stderr
+    assert "CUDA error: unknown error" in proc.stderr and "the environment is failing" in proc.stderr
+    assert [r.status for r in rows(repo, "b")] == ["keep", "crash"]
+    assert read_record(Paths(repo, "b").run_dir(2)).cause == "environment"
+
+
+def test_the_search_learns_nothing_from_environment_crashes(tmp_path):
+    """Old: the search took a crash from a lost GPU as "moving this constant crashes" and never went there
+    again. Now only the idea's crashes close a region."""
+    from orchestrator.contract import make_fake_repo
+    from orchestrator.ledger import Record
+    from orchestrator.proposers import Context
+    from orchestrator.proposers.search import SearchProposer
+    from orchestrator.proposers.space import read_space
+
+    repo_path = make_fake_repo(tmp_path / "r")
+    repo = git.Repo(repo_path)
+    base = repo.head.commit.hexsha
+    source = (repo_path / "train.py").read_text()
+    space, best = read_space(source, None)
+    name = next(n for n, p in space.items() if p.kind in ("log", "linear", "int", "pow2"))
+    (repo_path / "train.py").write_text(source.replace(f"{name} = {best[name]!r}", f"{name} = {best[name] * 2!r}"))
+    repo.git.commit("-qam", "bigger")
+    bigger = repo.head.commit.hexsha
+    proposer = SearchProposer(Context(repo=repo_path, tag="s", profile=None))
+    for cause, closed in (("environment", False), ("idea", True)):
+        history = [Record(n=1, status="keep", description="baseline", commit=base, parent=base),
+                   Record(n=2, status="crash", description="x2", commit=bigger, parent=base, cause=cause)]
+        stats, tried = proposer.learn(space, history, best)
+        assert (stats[name].crash_above is not None) is closed, cause
+
+
+def test_a_log_flood_is_capped_head_and_tail(fake_repo):
+    """Old: run.log had no cap and was read whole: a print in the step loop could fill the disk and the
+    controller's memory. Now the log keeps its first and last halves of --max-log-mb, and the summary at its
+    end still counts."""
+    flood = 'import sys\nline = "x" * 99 + "\\n"\nfor _ in range(600_000):\n    sys.stdout.write(line)\n'
+    repo = fake_repo(flood + fakes.ok(1.0))
+    proc = autoloop(repo, "--tag", "f", "--budget", "1", "--max-experiments", "1", "--max-log-mb", "2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    log = Paths(repo, "f").run_dir(1) / "run.log"
+    assert log.stat().st_size < 2 * (1 << 20) + 1024  # 60 MB printed
+    text = log.read_text()
+    assert "bytes of this log cut here" in text and text.startswith("x" * 99) and "val_bpb:" in text
+    assert rows(repo, "f")[0].status == "keep" and rows(repo, "f")[0].val_bpb == 1.0
+
+
+def test_ignored_files_a_run_leaves_do_not_pile_up(fake_repo, plan):
+    """Old: worktrees were cleaned of untracked files but not of ignored ones (checkpoints, caches)."""
+    leaves = ('import os\nassert not os.path.exists("ckpt/big.bin"), "a file of an earlier run is still here"\n'
+              'os.makedirs("ckpt", exist_ok=True)\nopen("ckpt/big.bin", "wb").write(b"0" * 1000)\n')
+    repo = fake_repo(leaves + fakes.ok(1.0), {".gitignore": "ckpt/\n"})
+    plan([{"description": "again", "train": leaves + fakes.ok(0.9)}])
+    proc = autoloop(repo, "--tag", "i", "--budget", "1", "--max-experiments", "2", "--proposer", "fakes:Scripted")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [r.status for r in rows(repo, "i")] == ["keep", "keep"]
+
+
+def test_resume_checks_rows_against_records_and_names_a_bad_line(fake_repo, plan):
+    """Old: rows were matched to run directories by position: one hand-deleted row shifted every record, moved
+    the last run to incomplete/ and overwrote a tried/<n> ref; a non-UTF-8 byte or a bad number was a
+    traceback. Now each is a message naming the line and what belongs there, and nothing is touched."""
+    repo = fake_repo(fakes.ok(1.0))
+    plan([{"description": f"idea {i}", "train": fakes.ok(1.0 - i / 10)} for i in range(1, 4)])
+    assert autoloop(repo, "--tag", "r", "--budget", "1", "--max-experiments", "4",
+                    "--proposer", "fakes:Scripted").returncode == 0
+    ledger = Paths(repo, "r").ledger
+    good = ledger.read_bytes()
+    lines = good.split(b"\n")
+    ledger.write_bytes(b"\n".join(lines[:2] + lines[3:]))  # row 2 deleted by hand
+    proc = autoloop(repo, "--tag", "r", "--budget", "1", "--max-experiments", "6", "--proposer", "fakes:Scripted")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "line 3" in proc.stderr and "is not run 2" in proc.stderr and "idea 1" in proc.stderr, proc.stderr
+    assert sorted(p.name for p in Paths(repo, "r").runs.iterdir()) == ["1", "2", "3", "4"]  # nothing moved
+    assert not (Paths(repo, "r").state / "incomplete").exists()
+    for broken, why in ((lines[3].replace(b"keep", b"kept"), "status 'kept'"),
+                        (lines[3].replace(b"\t0.", b"\tx."), "could not convert"),
+                        (lines[3] + b"\xff\xfe", "not UTF-8")):
+        ledger.write_bytes(b"\n".join(lines[:3] + [broken] + lines[4:]))
+        proc = autoloop(repo, "--tag", "r", "--budget", "1", "--max-experiments", "6")
+        assert proc.returncode == 1 and "line 4 cannot be read" in proc.stderr and why in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr
+        status = subprocess.run([sys.executable, "-m", "orchestrator.cli", "status", "--repo", str(repo), "--tag",
+                                 "r"], capture_output=True, text=True, env=subprocess_env())
+        assert status.returncode == 1 and "line 4 cannot be read" in status.stderr
+    ledger.write_bytes(good)
+    assert autoloop(repo, "--tag", "r", "--budget", "1", "--max-experiments", "5",
+                    "--proposer", "fakes:Scripted").returncode == 0
+
+
+def test_two_sessions_sharing_a_queue_never_run_the_same_idea(fake_repo):
+    """Old: two sessions of one repo (say, two GPU subsets) both took queued idea #1. Now a session claims an
+    idea when it takes it, and another session leaves it alone while the first one runs."""
+    repo = fake_repo(fakes.ok(1.0).replace("SLEEP = 0.0  # [fixed]", "SLEEP = 0.0  # [0.0, 100.0]"))
+    for args in (["slow one", "--set", "SLEEP=6.0", "--set", "BPB=0.9"], ["fast one", "--set", "BPB=0.8"]):
+        added = subprocess.run([sys.executable, "-m", "orchestrator.cli", "queue", "add", *args, "--repo", str(repo)],
+                               capture_output=True, text=True, env=subprocess_env())
+        assert added.returncode == 0, added.stderr
+    cmd = [sys.executable, "-m", "orchestrator.cli", "run", "--repo", str(repo), "--budget", "1", "--timeout", "60",
+           "--proposer", "queue", "--max-experiments", "2"]
+    first = subprocess.Popen([*cmd, "--tag", "a"], env=subprocess_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # session a is training idea #1
+        status = json.loads(Paths(repo, "a").status.read_text()) if Paths(repo, "a").status.exists() else {}
+        if status.get("phase") == "training" and status.get("n") == 2:
+            break
+        time.sleep(0.05)
+    second = subprocess.run([*cmd, "--tag", "b"], env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    out, _ = first.communicate(timeout=120)
+    assert first.returncode == 0 and second.returncode == 0, out + second.stdout + second.stderr
+    assert [r.description for r in rows(repo, "a")] == ["baseline", "slow one"]
+    assert [r.description for r in rows(repo, "b")] == ["baseline", "fast one"]
+
+
+def test_spend_counts_every_request_even_of_ideas_that_never_ran(fake_repo):
+    """Old: the tokens of a prefetched idea thrown away when the best moved never reached a record, so
+    --max-tokens was overrun without bound. Now every request is counted when it is made (spend.jsonl), and
+    the cap is overrun by at most one request."""
+    pytest.importorskip("openai")
+    from fake_openai import FakeOpenAI, edit
+    from orchestrator.loop import Settings, run_loop
+    from orchestrator.spend import Spend
+
+    repo = fake_repo(fakes.ok(1.0, sleep=1.0))
+    old = "BPB = 1.0  # [0.1, 10.0]"
+    replies = [edit(old, "BPB = 0.9  # [0.1, 10.0]", "first"),
+               edit(old, "BPB = 0.95  # [0.1, 10.0]", "made on the old best: conflicts once the first is kept"),
+               edit('print("step 00001 | loss: 1.0")', 'print("step 00001 | loss: 0.5")', "asked again"),
+               edit('print("step 00001 | loss: 1.0")', 'print("step 00001 | loss: 0.4")', "more")]
+    lines = []
+    with FakeOpenAI(replies) as server:  # 120 tokens a request
+        run_loop(Settings(repo=repo, tag="p", budget=1.0, timeout=20.0, proposer="llm", baseline_repeats=0,
+                          max_tokens=250, pipeline=True,
+                          options={"llm_base_url": server.base_url, "llm_model": "m"}), echo=lines.append)
+        asked = len(server.requests)
+    assert [r.description for r in rows(repo, "p")] == ["baseline", "first", "asked again"]
+    assert asked == 3 and "reached --max-tokens 250 (360 used)" in lines[-1], lines
+    spend = Spend(Paths(repo, "p").spend)
+    assert spend.tokens == 360 and spend.requests == 3
+    recorded = sum(read_record(Paths(repo, "p").run_dir(n)).info.get("usage", {}).get("total_tokens", 0)
+                   for n in (1, 2, 3))
+    assert recorded == 240  # what the records alone would have counted

@@ -149,7 +149,7 @@ def test_a_loop_error_in_the_middle_of_a_two_slot_generation(fake_repo, tmp_path
     assert status(repo)["phase"] == "stopped" and not status(repo)["train_pids"]
     subprocess.run(["git", "checkout", "prepare.py"], cwd=Paths(repo, "s").worktree, check=True)
     fakes.write_plan(plan, [{"description": "fast", "train": fakes.ok(0.95)}])
-    again = start(repo, "--budget", "1", "--proposer", "fakes:Scripted", "--workers", "2", "--gpus", "",
+    again = start(repo, "--budget", "30", "--proposer", "fakes:Scripted", "--workers", "2", "--gpus", "",
                   "--max-experiments", "4", env=subprocess_env(AUTOLOOP_TEST_PLAN=str(plan)))
     out, _ = again.communicate(timeout=120)
     assert again.returncode == 0, out

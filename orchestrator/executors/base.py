@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..gpu import smi
-from ..runner import run_command
+from ..runner import LOG_CAP_BYTES, run_command
 
 OUT = "{out}"  # in a step's arguments and environment: the directory the steps write logs and outputs to
 PYTHON = "{python}"  # the Python interpreter of the machine the step runs on
@@ -41,6 +41,7 @@ class Job:
     inputs: dict[str, Path] = field(default_factory=dict)  # files put into the output directory first
     step_env: list[dict[str, str | None]] = field(default_factory=list)  # per step: set (or None: unset)
     on_start: Callable[[int], None] | None = None  # the pid of each step's process (executors on this machine)
+    log_cap: int = LOG_CAP_BYTES  # bytes a step's log keeps at most (its head and its tail)
 
 
 @dataclass
@@ -162,7 +163,7 @@ def run_steps(job: Job, workdir: Path, out: Path, slot_env: dict[str, str],
             else:
                 step_env[key] = substitute(value, out, sys.executable)
         run = run_command([substitute(a, out, sys.executable) for a in cmd], workdir, step_env, out / log,
-                          job.timeout_s, on_start=job.on_start, cancel=cancel)
+                          job.timeout_s, on_start=job.on_start, cancel=cancel, log_cap=job.log_cap)
         result.steps.append(StepResult(run.exit_code, run.timed_out, run.wall_s, out / log))
         if run.interrupted:
             result.interrupted = True

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..ledger import Record
+from ..spend import Spend
 
 
 @dataclass
@@ -18,6 +19,7 @@ class Context:
     profile: str | None  # harness profile (gpu | cpu | tiny) or None when the harness has none
     seed: int = 42
     options: dict = field(default_factory=dict)
+    spend: Spend | None = None  # the session's spend: add() each request's usage, check exceeded() before one
 
 
 @dataclass
@@ -39,6 +41,10 @@ class ProposalFailed(Exception):
 
 class Proposer:
     """Edits train.py in a work directory to try one idea.
+
+    A proposer that pays per request (an LLM, an agent) reports each request's usage to `context.spend` as it
+    is made and makes no request once `context.spend.exceeded()`; usage it only attaches to a Proposal's or a
+    ProposalFailed's info ("usage") is counted when the idea is returned.
 
     `propose` must leave the edited train.py in `workdir` (which holds the current best commit) and return a
     one-line description of the idea (or a Proposal), or None when it has no more ideas. It must not touch

@@ -89,6 +89,10 @@ def _is_local(url: str) -> bool:
     return (urlparse(url).hostname or "") in ("localhost", "127.0.0.1", "::1", "0.0.0.0")
 
 
+class SpendExhausted(Exception):
+    """--max-tokens / --max-cost is reached: no further request."""
+
+
 class LLMProposer(Proposer):
     name = "llm"
     pipeline = True
@@ -135,19 +139,33 @@ class LLMProposer(Proposer):
         self.paths = Paths(context.repo, context.tag)
 
     def _ask(self, messages: list[dict], usage: dict) -> str:
+        spend = self.context.spend
+        if spend is not None and (why := spend.exceeded()):
+            raise SpendExhausted(why)
         try:
             response = self.client.chat.completions.create(model=self.model, messages=messages)
         except self.openai.APIError as e:
             raise ProposalFailed("LLM request failed", f"LLM API error: {type(e).__name__}: {e}"[:300],
                                  {"usage": usage}) from None
         if response.usage is not None:
-            usage["prompt_tokens"] += response.usage.prompt_tokens or 0
-            usage["completion_tokens"] += response.usage.completion_tokens or 0
-            usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-            usage["cost"] = (usage["prompt_tokens"] * self.price_in + usage["completion_tokens"] * self.price_out) / 1e6
+            prompt, completion = response.usage.prompt_tokens or 0, response.usage.completion_tokens or 0
+            this = {"total_tokens": prompt + completion,
+                    "cost": (prompt * self.price_in + completion * self.price_out) / 1e6}
+            if spend is not None:
+                spend.add(this, f"llm {self.model}")
+            usage["prompt_tokens"] += prompt
+            usage["completion_tokens"] += completion
+            usage["total_tokens"] += this["total_tokens"]
+            usage["cost"] += this["cost"]
         return response.choices[0].message.content or ""
 
-    def propose(self, workdir: Path, history: list[Record]) -> Proposal:
+    def propose(self, workdir: Path, history: list[Record]) -> Proposal | None:
+        try:
+            return self._propose(workdir, history)
+        except SpendExhausted:
+            return None  # the loop stops on the cap it reached
+
+    def _propose(self, workdir: Path, history: list[Record]) -> Proposal:
         path = workdir / "train.py"
         source = path.read_text()
         prompt = build_prompt(read_program(self.context.repo, self.context.options.get("program")), source,
