@@ -16,7 +16,10 @@ from dataclasses import dataclass
 
 from .ledger import Record, Row
 from .noise import Gate, Sigma, judge
-from .state import Decision, State, Status, group_of
+from .state import Decision, State, Status, counts, group_of
+
+
+DISTURBED = 0.7  # a run below this share of its twins' median throughput was slowed from outside
 
 
 @dataclass
@@ -25,11 +28,48 @@ class Finished:
     kind: str  # baseline | parent | candidate | rerun | confirm
     crashed: bool = False
     shorter: bool = False  # its train.py has fewer significant lines than the best's
+    disturbed: str = ""  # why its throughput says it was slowed from outside (set by decide)
+
+
+def throughput(record: Record) -> float | None:
+    """Work done per training second (tokens, else optimizer steps), from the run's summary."""
+    m = record.metrics
+    work = next((m[k] for k in ("total_tokens_M", "num_steps") if isinstance(m.get(k), (int, float)) and m[k] > 0),
+                None)
+    seconds = m.get("training_seconds")
+    if work is None:
+        return None
+    return work / seconds if isinstance(seconds, (int, float)) and seconds > 0 else float(work)
+
+
+def disturbance(state: State, run: Finished) -> str:
+    """Why this run looks slowed from outside (another process on the CPU, a shared or throttled GPU), or '':
+    its throughput far below the median of its twins (counted runs of its configuration on its device), or, for
+    a new configuration, of the best's runs when the model has the same size. A configuration is given the
+    benefit of the doubt once: a second slow run is its own speed."""
+    r = run.record
+    mine, group = throughput(r), group_of(r)
+    if mine is None or any(x.gate.get("disturbed") for x in state.records if group_of(x) == group):
+        return ""
+    same = [x for x in state.records if counts(x) and x.device == r.device]
+    twins, whose = [x for x in same if group_of(x) == group], "its twins'"
+    if not twins and run.kind == "candidate":
+        size = r.metrics.get("num_params_M")
+        twins = [x for x in same if group_of(x) == state.best_group and x.metrics.get("num_params_M") == size]
+        whose = "the best's (same model size)"
+    speeds = [s for s in map(throughput, twins) if s]
+    if not speeds or mine >= DISTURBED * statistics.median(speeds):
+        return ""
+    return f"disturbed: throughput {mine / statistics.median(speeds):.0%} of {whose} median"
 
 
 def decide(state: State, runs: list[Finished], gate: Gate) -> None:
-    """Fill each run's record.gate and record.status."""
-    ok = [r for r in runs if not r.crashed]
+    """Fill each run's record.gate and record.status. A disturbed run is not judged: it is run again."""
+    if state.best_group:
+        for run in runs:
+            if not run.crashed:
+                run.disturbed = disturbance(state, run)
+    ok = [r for r in runs if not r.crashed and not r.disturbed]
     for run in runs:
         run.record.status = Status.CRASH if run.crashed else Status.DISCARD
     if not state.best_group:
@@ -71,6 +111,18 @@ def decide(state: State, runs: list[Finished], gate: Gate) -> None:
     for run in ok:
         if run.record.gate.get("decision") == Decision.KEEP:
             run.record.status = Status.KEEP
+    rerun_taken = any(r.record.gate.get("decision") == Decision.RERUN for r in ok) or \
+        (state.pending is not None and not followups)
+    for run in (r for r in runs if r.disturbed):
+        if run.kind in ("rerun", "confirm"):  # the pending candidate stays pending: it runs again
+            decision = Decision.CONFIRMING
+        elif run.kind == "candidate" and not rerun_taken:
+            decision, rerun_taken = Decision.RERUN, True
+        else:
+            decision = Decision.REPEAT if run.kind in ("parent", "baseline") else Decision.DISCARD
+        again = decision != Decision.DISCARD
+        run.record.gate = {"decision": decision, "runs": 1, "disturbed": run.disturbed,
+                           "note": f"{run.disturbed}: {'not counted, running again' if again else 'not judged'}"}
 
 
 def select(candidates: list[Finished]) -> None:

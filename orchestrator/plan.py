@@ -139,7 +139,7 @@ def plan(ws, ideas: Ideas, state: State, slots: int) -> list[Planned]:
         return runs + [parent_run(state, "confirmation") for _ in range(slots - len(runs))]
     runs: list[Planned] = []
     wanted, base = 1 + s.baseline_repeats, state.baseline_group
-    since = [r for r in state.records if r.n >= base]
+    since = [r for r in state.records if r.n >= base and not r.gate.get("disturbed")]
     have = sum(1 for r in since if group_of(r) == base)
     if state.best_group == base and have == len(since) and have < wanted:  # σ from the baseline, before any idea
         count = slots if wanted - have >= slots else min(wanted - have, slots - 1)

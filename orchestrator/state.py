@@ -75,8 +75,9 @@ def group_of(record: Record) -> int:
 
 def counts(record: Record) -> bool:
     """Does this run's value count in its configuration's mean? Crashes do not, nor a best-of-k pick (biased
-    low: the winner's curse)."""
-    return record.status != Status.CRASH and record.val_bpb is not None and not record.gate.get("selection")
+    low: the winner's curse), nor a run slowed from outside (disturbed)."""
+    return record.status != Status.CRASH and record.val_bpb is not None and not record.gate.get("selection") \
+        and not record.gate.get("disturbed")
 
 
 @dataclass
@@ -155,12 +156,10 @@ def load_records(paths: Paths) -> list[Record]:
             record = Record(n=n, status=row.status, description=row.description, commit=row.commit,
                             val_bpb=row.val_bpb if row.status != "crash" else None)
         elif record.n != n or not record.commit.startswith(row.commit) or record.status != row.status:
-            from .judge import row_of  # judge builds on this module
-
             raise LoopError(f"{paths.ledger} line {n + 1} ({row.commit} {row.status} {row.description[:40]!r}) is not "
-                            f"run {n} (commit {record.commit[:7]}, {record.status}): a row was deleted or edited "
-                            f"by hand. Restore the rows in order (line {n + 1} is, from runs/{n}/record.json: "
-                            f"{row_of(record).to_line().strip()!r}), then run the same command to resume")
+                            f"run {n} (commit {record.commit[:7]}, {record.status}, {record.description[:40]!r}, "
+                            f"from runs/{n}/record.json): a row was deleted or edited by hand. Restore the rows in "
+                            "order, then run the same command to resume")
         records.append(record)
     return records
 

@@ -300,3 +300,46 @@ def test_spend_counts_every_request_even_of_ideas_that_never_ran(fake_repo):
     recorded = sum(read_record(Paths(repo, "p").run_dir(n)).info.get("usage", {}).get("total_tokens", 0)
                    for n in (1, 2, 3))
     assert recorded == 240  # what the records alone would have counted
+
+
+SLOWED = '''"""fake train.py: as many steps as the CPU allows in 1.5 s; run 3 competes with processes it starts"""
+import os, subprocess, sys, time
+from pathlib import Path
+counter = Path(os.environ["SOAK_COUNTER"])
+run = int(counter.read_text()) + 1 if counter.exists() else 1
+counter.write_text(str(run))
+hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(6 if run == 3 else 0)]
+time.sleep(0.3 if hogs else 0)
+start, steps = time.time(), 0
+while time.time() - start < 1.5:
+    sum(range(20000))
+    steps += 1
+for h in hogs:
+    h.kill()
+BPB = 1.0 + 0.001 * (run % 2) + (0.2 if run == 3 else 0.0)
+print("---")
+print(f"val_bpb:          {BPB:.6f}")
+print("training_seconds: 1.5")
+print(f"num_steps:        {steps}")
+print("num_params_M:     0.1")
+'''
+
+
+def test_a_run_slowed_by_a_competing_process_is_run_again_not_counted(fake_repo, tmp_path):
+    """Old: a baseline repeat that another process slowed (5 optimizer steps where its twins ran 11) scored far
+    worse, entered σ and widened it so much that nothing was kept afterwards. Now a run far below its twins'
+    throughput is marked disturbed, left out of σ and every mean, and run again."""
+    repo = fake_repo(SLOWED)
+    proc = autoloop(repo, "--tag", "d", "--budget", "1", "--max-experiments", "4", "--baseline-repeats", "2",
+                    env=subprocess_env(SOAK_COUNTER=str(tmp_path / "counter")))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    records = [read_record(Paths(repo, "d").run_dir(n)) for n in range(1, 5)]
+    steps = [r.metrics["num_steps"] for r in records]
+    assert steps[2] < 0.7 * min(steps[0], steps[1]), steps  # the competing processes did slow it
+    assert "disturbed: throughput" in records[2].gate.get("disturbed", ""), records[2].gate
+    assert "disturbed" in rows(repo, "d")[2].description and "running again" in rows(repo, "d")[2].description
+    assert records[3].description.startswith("baseline (repeat") and not records[3].gate.get("disturbed")
+    from orchestrator.state import load_state
+    state = load_state(Paths(repo, "d"))
+    assert state.runs(1) == [1.001, 1.0, 1.0] or sorted(state.runs(1)) == [1.0, 1.0, 1.001]  # run 3 left out
+    assert state.sigma().value < 0.01  # with run 3 it would be ~0.1
