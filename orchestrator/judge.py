@@ -31,13 +31,13 @@ class Finished:
     disturbed: str = ""  # why its throughput says it was slowed from outside (set by decide)
 
 
-def throughput(record: Record) -> float | None:
-    """Work done per training second (tokens, else optimizer steps), from the run's summary."""
+def throughput(record: Record, unit: str) -> float | None:
+    """Work per training second from the run's summary: optimizer steps (exact; comparable between runs of one
+    configuration) or tokens (comparable across configurations, but printed in 0.1 M steps: only used when that
+    rounding is under 1%)."""
     m = record.metrics
-    work = next((m[k] for k in ("total_tokens_M", "num_steps") if isinstance(m.get(k), (int, float)) and m[k] > 0),
-                None)
-    seconds = m.get("training_seconds")
-    if work is None:
+    work, seconds = m.get("num_steps" if unit == "steps" else "total_tokens_M"), m.get("training_seconds")
+    if not isinstance(work, (int, float)) or work <= 0 or unit == "tokens" and work < 10:
         return None
     return work / seconds if isinstance(seconds, (int, float)) and seconds > 0 else float(work)
 
@@ -48,19 +48,20 @@ def disturbance(state: State, run: Finished) -> str:
     a new configuration, of the best's runs when the model has the same size. A configuration is given the
     benefit of the doubt once: a second slow run is its own speed."""
     r = run.record
-    mine, group = throughput(r), group_of(r)
-    if mine is None or any(x.gate.get("disturbed") for x in state.records if group_of(x) == group):
+    group = group_of(r)
+    if any(x.gate.get("disturbed") for x in state.records if group_of(x) == group):
         return ""
     same = [x for x in state.records if counts(x) and x.device == r.device]
-    twins, whose = [x for x in same if group_of(x) == group], "its twins'"
+    twins, unit, whose = [x for x in same if group_of(x) == group], "steps", "its twins'"
     if not twins and run.kind == "candidate":
         size = r.metrics.get("num_params_M")
         twins = [x for x in same if group_of(x) == state.best_group and x.metrics.get("num_params_M") == size]
-        whose = "the best's (same model size)"
-    speeds = [s for s in map(throughput, twins) if s]
-    if not speeds or mine >= DISTURBED * statistics.median(speeds):
+        unit, whose = "tokens", "the best's (same model size)"
+    mine = throughput(r, unit)
+    speeds = [s for s in (throughput(x, unit) for x in twins) if s]
+    if mine is None or not speeds or mine >= DISTURBED * statistics.median(speeds):
         return ""
-    return f"disturbed: throughput {mine / statistics.median(speeds):.0%} of {whose} median"
+    return f"disturbed: {unit} per second {mine / statistics.median(speeds):.0%} of {whose} median"
 
 
 def decide(state: State, runs: list[Finished], gate: Gate) -> None:
