@@ -118,6 +118,9 @@ def main() -> None:
 @click.option("--max-repeats", type=click.IntRange(min=1), default=3, show_default=True,
               envvar="AUTOLOOP_MAX_REPEATS", show_envvar=True,
               help="Runs of one candidate at most, when it is better but inside the margin.")
+@click.option("--pass-env", multiple=True, metavar="NAME", envvar="AUTOLOOP_PASS_ENV", show_envvar=True,
+              help="Also give runs and agents this variable of ours (repeatable); they get only an allow-list "
+                   "otherwise (no API keys, tokens or credentials).")
 @click.option("--max-crashes", type=click.IntRange(min=1), default=5, show_default=True,
               envvar="AUTOLOOP_MAX_CRASHES", show_envvar=True,
               help="Stop after this many crashes in a row (a failing GPU, disk or proposer; not only bad ideas).")
@@ -170,7 +173,7 @@ def run(ctx: click.Context, **values) -> None:
                         max_tokens=values["max_tokens"], max_cost=values["max_cost"],
                         options={k: v for k, v in plugin_values["proposer"].items() if v is not None},
                         gate=Gate(values["gate"], values["gate_sigmas"], values["min_delta"], values["max_repeats"]),
-                        baseline_repeats=values["baseline_repeats"], max_crashes=values["max_crashes"],
+                        baseline_repeats=values["baseline_repeats"], max_crashes=values["max_crashes"], pass_env=tuple(values["pass_env"]),
                         max_log_mb=values["max_log_mb"], executor=values["executor"],
                         workers=values["workers"],
                         executor_options={k: v for k, v in plugin_values["executor"].items()

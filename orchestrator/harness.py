@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import LoopError
+from .confine import allowed_env
 
 _QUERY = """
 import json, os, sys
@@ -20,7 +21,8 @@ if os.path.exists("prepare.py"):
     import prepare
     info.update(manifest=str(getattr(prepare, "MANIFEST_PATH", "") or ""), profile=getattr(prepare, "PROFILE", None),
                 time_budget=getattr(prepare, "TIME_BUDGET", None), artifacts=hasattr(prepare, "save_eval_artifact"),
-                dataset=getattr(prepare, "DATASET", None), smoke_warning=getattr(prepare, "SMOKE_TEST_WARNING", None))
+                dataset=getattr(prepare, "DATASET", None), smoke_warning=getattr(prepare, "SMOKE_TEST_WARNING", None),
+                cache=str(getattr(prepare, "CACHE_DIR", "") or ""))
 if "torch" in sys.argv[1:] or "torch" in sys.modules:  # torch's view of CUDA (free when prepare imported it)
     try:
         import torch
@@ -42,6 +44,7 @@ class HarnessInfo:
     torch: dict | None = None  # the run's torch: version, cuda, hip, available, devices (or error); None: not asked
     dataset: str | None = None  # the data prepare.py uses (its default depends on the profile)
     smoke_warning: str | None = None  # what prepare.py says of a corpus too small for the profile
+    cache: str = ""  # where prepare.py keeps its data (CACHE_DIR), as resolved with the controller's HOME
 
 
 def sha256_file(path: Path) -> str:
@@ -52,9 +55,11 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def run_env(budget: float, seed: int, profile: str | None, dataset: str | None, cache: str | None) -> dict[str, str]:
-    """The environment every harness and training process gets: budget, seed, cache, data, profile."""
-    env = dict(os.environ)
+def run_env(budget: float, seed: int, profile: str | None, dataset: str | None, cache: str | None,
+            pass_env: tuple[str, ...] = ()) -> dict[str, str]:
+    """The environment every harness and training process gets: the allow-listed part of ours (no secrets;
+    confine.py) and `pass_env`, then budget, seed, cache, data, profile."""
+    env = allowed_env(pass_env=pass_env)
     env.update(AUTOLOOP_TIME_BUDGET=f"{budget:g}", AUTOLOOP_SEED=str(seed), PYTHONUNBUFFERED="1")
     for key, value in (("AUTOLOOP_PROFILE", profile), ("AUTOLOOP_DATASET", dataset), ("AUTOLOOP_CACHE", cache)):
         if value:
@@ -78,7 +83,7 @@ def query(workdir: Path, env: dict[str, str], torch: bool = False) -> HarnessInf
     data = json.loads(line.split(" ", 1)[1])
     return HarnessInfo(Path(data["manifest"]) if data.get("manifest") else None, data.get("profile"),
                        data.get("time_budget"), bool(data.get("artifacts")), data.get("torch"), data.get("dataset"),
-                       data.get("smoke_warning"))
+                       data.get("smoke_warning"), data.get("cache") or "")
 
 
 def manifest_digest(manifest_path: Path) -> str:

@@ -67,7 +67,8 @@ def _session(settings: Settings, echo: Callable[[str], None]) -> State:
         ws.open(executor)
         state = ws.resume()
         proposer = proposer_cls(Context(repo=settings.repo, tag=settings.tag, seed=settings.seed,
-                                        profile=ws.profile, options=dict(settings.options), spend=ws.spend))
+                                        profile=ws.profile, options=dict(settings.options), spend=ws.spend,
+                                        pass_env=tuple(settings.pass_env)))
         ideas = Ideas(ws, proposer, proposer.pipeline if settings.pipeline is None else bool(settings.pipeline))
         for record in state.records:
             proposer.observe(record)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from .confine import redact
 from .ledger import Record
 from .session import Paths
 from .summary import read_tail
@@ -97,4 +98,4 @@ def build_prompt(program: str, train_source: str, history: list[Record], paths: 
     if len(prompt) > max_chars:  # the brief gives way last; train.py itself is never cut
         spare = max(0, len(program) - (len(prompt) - max_chars) - 20)
         prompt = assemble(program[:spare] + "\n[... brief truncated]", rows)
-    return prompt
+    return redact(prompt)  # a log tail or a brief may hold a key of ours: it never reaches an LLM

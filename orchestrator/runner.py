@@ -26,7 +26,7 @@ class CappedLog:
     saying how much was cut between them. Memory and disk stay under `cap` whatever the process prints."""
 
     def __init__(self, path: Path, cap: int):
-        self.f = open(path, "wb")
+        self.f = open(path, "wb", buffering=0)  # what the run prints is in the file at once (progress, status)
         self.cap, self.head = cap, cap // 2
         self.size = 0  # bytes on disk while nothing is cut
         self.tail: bytearray | None = None  # once cut: the last cap - head bytes, in memory

@@ -85,11 +85,18 @@ def stage(ws, wt: git.Repo, record: Record, prepared) -> Crash | None:
     return crash
 
 
+# A run's HOME and TMPDIR are its own (deleted after it); compiled kernels are shared by the session's runs.
+SCRATCH = {"HOME": f"{OUT}/home", "TMPDIR": f"{OUT}/tmp", "TORCHINDUCTOR_CACHE_DIR": f"{OUT}/../../cache/inductor",
+           "TRITON_CACHE_DIR": f"{OUT}/../../cache/triton", "XDG_CACHE_HOME": f"{OUT}/../../cache/xdg"}
+
+
 def build_job(ws, workdir: Path, run_dir: Path) -> Job:
     """The experiment as the executor runs it: train.py, then (with a harness that saves the model) the
     harness's own evaluation of that model in a process of its own; no step may change a tracked file."""
     steps, logs, step_env = [[PYTHON, "train.py"]], ["run.log"], [{}]
-    env = dict(ws.env)
+    # a harness that finds its data through AUTOLOOP_CACHE (one with a manifest) lets the run have its own HOME;
+    # another (upstream's keeps it under ~/.cache) keeps the user's
+    env = {**ws.env, **{k: v for k, v in SCRATCH.items() if k != "HOME" or ws.info.manifest is not None}}
     if ws.info.artifacts:
         env["AUTOLOOP_EVAL_ARTIFACT"] = f"{OUT}/model.pt"
         steps.append([PYTHON, "prepare.py", "--evaluate", f"{OUT}/model.pt", "--split", "val"])
@@ -124,7 +131,7 @@ def start(ws, executor: Executor, state: State, planned: Planned, slot: Slot, n:
                     info=dict(prepared.info), group=prepared.group or n, slot=slot.index)
     record.timings["propose"], record.timings["propose_wait"] = prepared.seconds, prepared.waited
     if prepared.ready:
-        record.timings["idea_waited"] = record.started - prepared.ready  # long when made while others trained
+        record.timings["idea_waited"] = time.time() - prepared.ready  # long when made while others trained
     run_dir = ws.paths.run_dir(n)
     run_dir.mkdir(parents=True, exist_ok=True)
     if prepared.log:

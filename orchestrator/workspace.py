@@ -37,7 +37,8 @@ class Workspace:
         self.settings, self.echo = settings, echo
         self.paths = Paths(settings.repo, settings.tag)
         self.repo = gitops.open_repo(settings.repo)
-        self.env = harness.run_env(settings.budget, settings.seed, settings.profile, settings.dataset, settings.cache)
+        self.env = harness.run_env(settings.budget, settings.seed, settings.profile, settings.dataset, settings.cache,
+                                   tuple(settings.pass_env))
         self.wt = None
         self.info: harness.HarnessInfo | None = None
         self.prepare_sha = self.manifest_digest = ""
@@ -76,7 +77,8 @@ class Workspace:
         slot_env = {**self.env, **executor.slots[0].env}  # as a run will see it
         self.info = harness.query(self.paths.worktree, slot_env, torch=gpu_check.needs_torch)
         gpu_check.finish(self.info.torch)  # LoopError: GPUs torch cannot use, or the gpu profile without CUDA
-        for key, value in (("AUTOLOOP_PROFILE", self.info.profile), ("AUTOLOOP_DATASET", self.info.dataset)):
+        for key, value in (("AUTOLOOP_PROFILE", self.info.profile), ("AUTOLOOP_DATASET", self.info.dataset),
+                           ("AUTOLOOP_CACHE", self.info.cache)):  # the cache too: a run has a HOME of its own
             if value and not self.env.get(key):
                 self.env[key] = value  # one harness size and corpus for every slot, as the query found them
         pinned = self.paths.worktree / "prepare.py"
@@ -239,9 +241,19 @@ def kill_orphan(status: dict) -> None:
     if status.get("train_pid"):
         running.append((status["train_pid"], status.get("train_started", 0)))
     for pid, created in set(running):
+        pid = int(pid)
         try:
-            proc = psutil.Process(int(pid))
+            proc = psutil.Process(pid)
             if abs(proc.create_time() - created) < 2.0:
-                kill_tree(int(pid), int(pid))
+                kill_tree(pid, pid)
+                continue
         except psutil.Error:
             pass
+        # the run's first process is gone, but its session may still hold one (e.g. a worker that ignored the
+        # SIGTERM of a timeout when the controller was killed): each run is a session whose id is that pid
+        for proc in psutil.process_iter(["create_time"]):
+            try:
+                if os.getsid(proc.pid) == pid and proc.info["create_time"] >= created - 2.0:
+                    kill_tree(proc.pid, pid)
+            except (OSError, psutil.Error):
+                pass

@@ -3,10 +3,10 @@
 codex ARGS...` (tests install a wrapper named aider, claude or codex on PATH, so the presets run verbatim).
 
 Each parses its tool's flags and exits 2 on one it does not know (as the real CLIs do), lowers train.py's BPB by
-10%, and writes the one-line description to the file the prompt names ($FAKE_NO_DESCRIPTION: it does not).
+10%, and writes the one-line description to the file the prompt names ($AUTOLOOP_TEST_NO_DESCRIPTION: it does not).
 - aider (0.86): writes .aider.chat.history.md into its cwd unless --chat-history-file points elsewhere; with
   --yes-always it accepts the analytics opt-in (recorded in $HOME/.aider/analytics.json) and, when
-  $FAKE_AIDER_NEWER is set, a self-upgrade after which it exits without editing, as aider does.
+  $AUTOLOOP_TEST_AIDER_NEWER is set, a self-upgrade after which it exits without editing, as aider does.
 - claude (-p): writes only inside its cwd and with --permission-mode acceptEdits; a write elsewhere is refused
   and the run fails. --output-format json prints one result object with usage and cost.
 - codex (exec): writes only inside its cwd (the workspace-write sandbox); --json prints JSONL events.
@@ -59,7 +59,7 @@ def aider(argv: list[str]) -> int:
         home = Path.home() / ".aider"
         home.mkdir(parents=True, exist_ok=True)
         (home / "analytics.json").write_text(json.dumps({"asked_opt_in": True, "permanently_disable": False}))
-    if args.check_update is not False and os.environ.get("FAKE_AIDER_NEWER") and args.yes_always:
+    if args.check_update is not False and os.environ.get("AUTOLOOP_TEST_AIDER_NEWER") and args.yes_always:
         print("Newer aider version v0.99.0 is available.\nRun pip install? (Y)es/(N)o [Yes]: y\n"
               "Re-run aider to use new version.")
         return 0
@@ -68,7 +68,7 @@ def aider(argv: list[str]) -> int:
         history.write(f"# aider chat started\n\n#### {prompt[:200]}\n")
     desc = edit()
     print("Applied edit to train.py")
-    if not os.environ.get("FAKE_NO_DESCRIPTION"):
+    if not os.environ.get("AUTOLOOP_TEST_NO_DESCRIPTION"):
         description_path(prompt).write_text(desc + "\n")
         print(f"Applied edit to {DESCRIPTION_NAME}")
     print("Tokens: 2.1k sent, 120 received.")
@@ -90,7 +90,7 @@ def claude(argv: list[str]) -> int:
                   file=sys.stderr)
             return 1
     desc = edit()
-    if not os.environ.get("FAKE_NO_DESCRIPTION"):
+    if not os.environ.get("AUTOLOOP_TEST_NO_DESCRIPTION"):
         target.write_text(desc + "\n")
     result = f"I edited train.py.\n{desc} (said the result)"
     if args.output_format == "text":
@@ -117,7 +117,7 @@ def codex(argv: list[str]) -> int:
         print(f"sandbox: write to {target} denied", file=sys.stderr)
         return 1
     desc = edit()
-    if not os.environ.get("FAKE_NO_DESCRIPTION"):
+    if not os.environ.get("AUTOLOOP_TEST_NO_DESCRIPTION"):
         target.write_text(desc + "\n")
     events = [{"type": "thread.started", "thread_id": "fake"}, {"type": "turn.started"},
               {"type": "item.completed", "item": {"id": "item_0", "type": "reasoning", "text": "thinking"}},

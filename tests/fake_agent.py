@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """A fake coding-agent CLI: `fake_agent.py PROMPT_FILE`. What it does on its k-th call is read from the JSON
-list in $FAKE_AGENT_PLAN: {"bpb": 0.9} edits train.py's BPB, "other": also writes another file, "timeout": sleeps,
+list in $AUTOLOOP_TEST_AGENT_PLAN: {"bpb": 0.9} edits train.py's BPB, "other": also writes another file, "timeout": sleeps,
 "nodesc": writes no description file, "noop": changes nothing, "fail": exits 3, "code": train.py source."""
 
 import json
@@ -11,11 +11,11 @@ import time
 from pathlib import Path
 
 prompt = Path(sys.argv[1]).read_text()
-plan = json.loads(Path(os.environ["FAKE_AGENT_PLAN"]).read_text())
-counter = Path(os.environ["FAKE_AGENT_PLAN"] + ".count")
+plan = json.loads(Path(os.environ["AUTOLOOP_TEST_AGENT_PLAN"]).read_text())
+counter = Path(os.environ["AUTOLOOP_TEST_AGENT_PLAN"] + ".count")
 k = int(counter.read_text()) if counter.exists() else 0
 counter.write_text(str(k + 1))
-Path(os.environ["FAKE_AGENT_PLAN"] + f".prompt{k}").write_text(prompt)
+Path(os.environ["AUTOLOOP_TEST_AGENT_PLAN"] + f".prompt{k}").write_text(prompt)
 step = plan[min(k, len(plan) - 1)]
 print(f"fake agent call {k}: {step}")
 if step.get("timeout"):

@@ -77,14 +77,14 @@ def test_aider_preset_keeps_its_files_out_of_the_worktree_and_says_no_to_questio
     assert gitops.changed_files(gitops.Repo(repo)) == [".aider.chat.history.md", DESCRIPTION, "train.py"]
     assert json.loads((home / ".aider" / "analytics.json").read_text())["asked_opt_in"]  # --yes-always opted in
     subprocess.run("git checkout -q -- . && git clean -fdq", shell=True, cwd=repo, check=True)
-    rows = autoloop_run(repo, "upgrade", "--agent-cmd", " ".join(OLD_AIDER), env={**env, "FAKE_AIDER_NEWER": "1"})
+    rows = autoloop_run(repo, "upgrade", "--agent-cmd", " ".join(OLD_AIDER), env={**env, "AUTOLOOP_TEST_AIDER_NEWER": "1"})
     assert [r.status for r in rows] == ["keep", "crash", "crash"]
     assert all("the agent did not change train.py" in r.description for r in rows[1:])  # it upgraded and left
     rows = autoloop_run(repo, "backstop", "--agent-cmd", " ".join(OLD_AIDER), env=env)
     assert [r.status for r in rows] == ["keep", "keep", "keep"]  # its history file deleted, the tracked one kept
 
     (home / ".aider" / "analytics.json").unlink()
-    rows = autoloop_run(repo, "new", "--agent", "aider", env={**env, "FAKE_AIDER_NEWER": "1"})
+    rows = autoloop_run(repo, "new", "--agent", "aider", env={**env, "AUTOLOOP_TEST_AIDER_NEWER": "1"})
     assert [r.status for r in rows] == ["keep", "keep", "keep"]
     assert [r.description for r in rows[1:]] == ["lower BPB from 1.0 to 0.9", "lower BPB from 0.9 to 0.81"]
     assert [r.val_bpb for r in rows] == [1.0, 0.9, 0.81]
@@ -112,7 +112,7 @@ def test_agent_usage_counts_for_max_cost_and_the_answer_is_the_fallback_descript
                                                                                     monkeypatch):
     repo = fake_repo(fakes.ok(1.0))
     monkeypatch.setenv("PATH", f"{fake_bin(tmp_path, 'claude')}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setenv("FAKE_NO_DESCRIPTION", "1")
+    monkeypatch.setenv("AUTOLOOP_TEST_NO_DESCRIPTION", "1")
     run_loop(Settings(repo=repo, tag="a", budget=1.0, timeout=20.0, proposer="agent", baseline_repeats=0,
                       max_experiments=10, max_cost=0.05, pipeline=False, options={"agent": "claude"}),
              echo=lambda line: None)
@@ -124,7 +124,7 @@ def test_agent_usage_counts_for_max_cost_and_the_answer_is_the_fallback_descript
 def test_codex_preset_reads_its_jsonl_events(fake_repo, tmp_path, monkeypatch):
     repo = fake_repo(fakes.ok(1.0))
     monkeypatch.setenv("PATH", f"{fake_bin(tmp_path, 'codex')}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setenv("FAKE_NO_DESCRIPTION", "1")
+    monkeypatch.setenv("AUTOLOOP_TEST_NO_DESCRIPTION", "1")
     rows = run_agent(repo, n=2, agent="codex")
     assert [r.status for r in rows] == ["keep", "keep"]
     assert rows[1].description == "lower BPB from 1.0 to 0.9 (said codex)"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from orchestrator import contract
@@ -53,7 +55,7 @@ def test_executors_are_plugins(tmp_path):
     from orchestrator import LoopError, plugins
 
     assert {"local", "ray", "inline"} <= set(plugins.available("executor"))
-    assert {o.name for o in plugins.options("executor")} >= {"gpus", "ray_address"}  # declared by the executors
+    assert {o.name for o in plugins.options("executor")} >= {"gpus", "ray_address", "ray_schedule_timeout"}
     with pytest.raises(LoopError, match="unknown executor 'nope'; available: .*inline.*local"):
         make_executor("nope")
     local = make_executor("local", 2, {"gpus": []})
@@ -78,3 +80,53 @@ def test_cpu_slots_share_the_cores():
 def test_ray_tasks_get_their_own_gpu(ray_executor, code, tmp_path):
     seen = contract.check_own_gpus(ray_executor, code, tmp_path)
     assert sorted(seen) == ["'0'", "'1'"]
+
+
+# A prepare.py that notes when it ran (start, end) in the cache; `--check` always fails, so each task prepares.
+SLOW_PREPARE = """
+import os, sys, time
+start = time.time()
+time.sleep(0.5)
+if os.environ.get("AUTOLOOP_FAKE_PREPARE") == "fail" and "--check" not in sys.argv:
+    print("OSError: no route to the dataset host")
+    sys.exit(2)
+with open(os.path.join(os.environ["AUTOLOOP_CACHE"], "times"), "a") as f:
+    f.write(f"{start} {time.time()}\\n")
+sys.exit(1 if "--check" in sys.argv else 0)
+"""
+
+
+def test_ray_tasks_on_one_node_prepare_one_at_a_time(ray_executor, tmp_path):
+    """Two runs starting at once on one node share its cache: their prepare.py calls (check, then prepare) never
+    overlap, and the runs go on."""
+    repo = contract.make_git_repo(tmp_path / "code", {"prepare.py": SLOW_PREPARE, "show.py": contract.SHOW})
+    cache = tmp_path / "cache"
+    handles = [ray_executor.submit(contract.job(repo, tmp_path / f"out{s.index}", [["{python}", "show.py"]],
+                                                AUTOLOOP_CACHE=str(cache)), s) for s in ray_executor.slots]
+    assert all(h.result(timeout=120).ok for h in handles)
+    spans = sorted(tuple(map(float, line.split())) for line in (cache / "times").read_text().splitlines())
+    assert len(spans) == 4 and all(end <= start for (_, end), (start, _) in zip(spans, spans[1:])), spans
+
+
+def test_a_failed_prepare_on_a_ray_node_is_an_infra_error_naming_its_log(ray_executor, tmp_path):
+    repo = contract.make_git_repo(tmp_path / "code", {"prepare.py": SLOW_PREPARE, "show.py": contract.SHOW})
+    out = tmp_path / "out"
+    result = ray_executor.submit(contract.job(repo, out, [["{python}", "show.py"]], AUTOLOOP_CACHE=str(tmp_path),
+                                              AUTOLOOP_FAKE_PREPARE="fail"), ray_executor.slots[0]).result(timeout=120)
+    assert not result.steps and "prepare.py failed on" in result.infra_error, result
+    assert "exit code 2: OSError: no route to the dataset host" in result.infra_error
+    assert result.infra_error.endswith(f"see {out / 'prepare.log'}")
+    assert "no route" in (out / "prepare.log").read_text()
+
+
+def test_a_ray_run_that_started_outlives_the_schedule_timeout(ray_executor, code, tmp_path):
+    from orchestrator.executors.ray_executor import RayExecutor
+
+    ex = RayExecutor(workers=2, schedule_timeout=4.0)  # the same local Ray: a started run is never cancelled
+    try:
+        t = time.monotonic()
+        result = ex.submit(contract.job(code, tmp_path / "out", [["{python}", "show.py"]], AUTOLOOP_SLEEP="6"),
+                           ex.slots[0]).result(timeout=60)
+        assert result.ok and not result.infra_error and time.monotonic() - t > 6, result
+    finally:
+        ex.close()

@@ -49,7 +49,7 @@ def test_agent_proposer_end_to_end(fake_repo, tmp_path, monkeypatch):
         {"fail": True},
         {"noop": True, "desc": "nothing"},
     ]))
-    monkeypatch.setenv("FAKE_AGENT_PLAN", str(plan))
+    monkeypatch.setenv("AUTOLOOP_TEST_AGENT_PLAN", str(plan))
     options = {"agent_cmd": f"{sys.executable} {TESTS / 'fake_agent.py'} {{prompt_file}}", "agent_timeout": 3}
     run_loop(settings(repo, "agent", max_experiments=8, pipeline=False, options=options), echo=quiet)
     rows = read_rows(repo / "results.tsv")

@@ -305,7 +305,7 @@ def test_spend_counts_every_request_even_of_ideas_that_never_ran(fake_repo):
 SLOWED = '''"""fake train.py: as many steps as the CPU allows in 1.5 s; run 3 competes with processes it starts"""
 import os, subprocess, sys, time
 from pathlib import Path
-counter = Path(os.environ["SOAK_COUNTER"])
+counter = Path(os.environ["AUTOLOOP_TEST_COUNTER"])
 run = int(counter.read_text()) + 1 if counter.exists() else 1
 counter.write_text(str(run))
 hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(6 if run == 3 else 0)]
@@ -331,7 +331,7 @@ def test_a_run_slowed_by_a_competing_process_is_run_again_not_counted(fake_repo,
     throughput is marked disturbed, left out of σ and every mean, and run again."""
     repo = fake_repo(SLOWED)
     proc = autoloop(repo, "--tag", "d", "--budget", "1", "--max-experiments", "4", "--baseline-repeats", "2",
-                    env=subprocess_env(SOAK_COUNTER=str(tmp_path / "counter")))
+                    env=subprocess_env(AUTOLOOP_TEST_COUNTER=str(tmp_path / "counter")))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     records = [read_record(Paths(repo, "d").run_dir(n)) for n in range(1, 5)]
     steps = [r.metrics["num_steps"] for r in records]
@@ -343,3 +343,27 @@ def test_a_run_slowed_by_a_competing_process_is_run_again_not_counted(fake_repo,
     state = load_state(Paths(repo, "d"))
     assert state.runs(1) == [1.001, 1.0, 1.0] or sorted(state.runs(1)) == [1.0, 1.0, 1.001]  # run 3 left out
     assert state.sigma().value < 0.01  # with run 3 it would be ~0.1
+
+
+def test_resume_ends_a_killed_runs_worker_whose_parent_is_gone(tmp_path):
+    """Found by benchmarks/soak.py: a timed-out run's train.py died of the SIGTERM, its worker ignored it, and
+    the controller was SIGKILLed in the grace before SIGKILL. The resume looked only for train.py's pid, found
+    it gone, and the worker ran on. Now the run's whole session (its id is train.py's pid) is ended."""
+    import psutil
+
+    from orchestrator.workspace import kill_orphan
+
+    pidfile = tmp_path / "worker.pid"
+    code = ("import subprocess, sys\n"
+            "w = subprocess.Popen([sys.executable, '-c', 'import signal, time; signal.signal(signal.SIGTERM, "
+            f"signal.SIG_IGN); time.sleep(3600)'])\nopen({str(pidfile)!r}, 'w').write(str(w.pid))\n")
+    leader = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    created = psutil.Process(leader.pid).create_time()
+    leader.wait(timeout=30)
+    worker = psutil.Process(int(pidfile.read_text()))
+    assert worker.is_running() and worker.status() != psutil.STATUS_ZOMBIE
+    kill_orphan({"train_pids": {"0": [leader.pid, created]}})
+    deadline = time.monotonic() + 10
+    while worker.is_running() and worker.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE

@@ -1,5 +1,7 @@
 """The loop on a Ray cluster (several Ray nodes on this machine, fake GPUs): a node lost mid-run is the
-executor's failure, so the experiment runs again on another node and no crash row is written."""
+executor's failure, so the experiment runs again on another node and no crash row is written; a run still
+waiting for a GPU when its node goes comes back as the executor's failure at the schedule deadline, and the
+slots shrink to the GPUs left."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import time
 import pytest
 
 import fakes
+from orchestrator import contract
 from orchestrator.ledger import read_record, read_rows
 from orchestrator.loop import Settings, run_loop
 from orchestrator.session import Paths, read_status
@@ -62,3 +65,47 @@ def test_node_lost_mid_run_is_retried_not_recorded_as_a_crash(cluster, fake_repo
     assert retried and "NodeDied" in retried[0].info["infra_failures"][0]
     assert all(r.val_bpb in (0.9, 0.95) and r.device for r in records)
     assert any("the executor failed" in line and "running it again" in line for line in lines)
+
+
+@pytest.fixture
+def two_gpu_nodes():
+    # a lost node is noticed in seconds (health checks every second, 3 missed), not Ray's default 15 s
+    fast = {"health_check_period_ms": 1000, "health_check_timeout_ms": 1000, "health_check_failure_threshold": 3}
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0, "_system_config": fast})
+    nodes = [c.add_node(num_cpus=1, num_gpus=1) for _ in range(2)]
+    c.wait_for_nodes()
+    ray.init(address=c.address, log_to_driver=False)
+    try:
+        yield c, nodes
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+@pytest.mark.timeout(90)
+def test_a_run_pending_when_its_node_goes_is_an_infra_error_at_the_deadline(two_gpu_nodes, tmp_path):
+    """Before the schedule deadline this run waited for as long as any GPU stayed busy: forever."""
+    from orchestrator.executors.ray_executor import RayExecutor
+
+    c, nodes = two_gpu_nodes
+    ex = RayExecutor(schedule_timeout=4.0)
+    try:
+        assert len(ex.slots) == 2  # no --workers: one slot per alive GPU
+        hold = ray.remote(num_cpus=1, num_gpus=1)(lambda: time.sleep(300))
+        holders = [hold.remote() for _ in nodes]  # every GPU busy: the run waits
+        deadline = time.monotonic() + 30
+        while ray.available_resources().get("GPU", 0) > 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        repo = contract.code_repo(tmp_path / "code")
+        t = time.monotonic()
+        handle = ex.submit(contract.job(repo, tmp_path / "out", [["{python}", "show.py"]]), ex.slots[0])
+        c.remove_node(nodes[0], allow_graceful=False)
+        assert handle.wait(30)
+        result = handle.result(timeout=0)
+        assert "did not start within 4s" in result.infra_error and not result.steps, result
+        assert 4 <= time.monotonic() - t < 30 and not ray.wait(holders[1:], timeout=0)[0]  # the GPU left: busy
+        while len(ex.slots) > 1 and time.monotonic() < t + 30:  # the next generation: the GPU left
+            time.sleep(0.2)
+        assert [s.index for s in ex.slots] == [0]
+    finally:
+        ex.close()

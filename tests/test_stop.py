@@ -156,7 +156,7 @@ def test_a_loop_error_in_the_middle_of_a_two_slot_generation(fake_repo, tmp_path
 
 
 SLOW_AGENT = """import os, sys, time
-open(os.environ["AGENT_PIDFILE"], "a").write(f"{os.getpid()}\\n")
+open(os.environ["AUTOLOOP_TEST_AGENT_PIDFILE"], "a").write(f"{os.getpid()}\\n")
 time.sleep(120)
 """
 
@@ -167,7 +167,7 @@ def test_a_signal_while_a_pipelined_agent_makes_an_idea(fake_repo, tmp_path, sig
     repo = fake_repo(fakes.ok(1.0))
     agent, pidfile = tmp_path / "slow_agent.py", tmp_path / "agent.pids"
     agent.write_text(SLOW_AGENT)
-    env = subprocess_env(AGENT_PIDFILE=str(pidfile))
+    env = subprocess_env(AUTOLOOP_TEST_AGENT_PIDFILE=str(pidfile))
     proc = start(repo, "--budget", "1", "--proposer", "agent", "--agent-cmd",
                  f"{sys.executable} {agent} {{prompt_file}}", "--pipeline", env=env)
     # the baseline is recorded while the agent, started during its training, still works on the next idea

@@ -69,12 +69,12 @@ def test_tampering_edits_are_crashes_and_honest_edits_pass(tiny_env, tmp_path, m
     make_repo(repo, {name: (ROOT / name).read_text() for name in ("prepare.py", "train.py", ".gitignore")})
     honest = edited("MATRIX_LR = 0.04", "MATRIX_LR = 0.05")
     steps = [*STATIC[0:2], RUNTIME[0], *STATIC[2:4], RUNTIME[1], *STATIC[4:6], RUNTIME[2], STATIC[6], RUNTIME[3]]
-    # (interleaved: five ideas in a row that never reach training would stop the loop as a broken proposer)
+    # (every one crashes: the circuit breaker is set above their number)
     plan = [{"description": name, "train": src} for name, src, _ in steps]
     plan.append({"description": "honest", "train": honest})
     monkeypatch.setenv("AUTOLOOP_TEST_PLAN", str(fakes.write_plan(tmp_path / "plan.json", plan)))
     run_loop(Settings(repo=repo, tag="trust", budget=0.5, proposer="fakes:Scripted", baseline_repeats=0,
-                      startup_allowance=15.0), echo=lambda line: None)
+                      startup_allowance=15.0, max_crashes=len(steps) + 1), echo=lambda line: None)
     rows = read_rows(repo / "results.tsv")
     assert rows[0].status == "keep" and rows[0].description == "baseline"
     for row, (name, _, expected) in zip(rows[1:], steps):

@@ -27,6 +27,7 @@ from ..runner import LOG_CAP_BYTES, run_command
 
 OUT = "{out}"  # in a step's arguments and environment: the directory the steps write logs and outputs to
 PYTHON = "{python}"  # the Python interpreter of the machine the step runs on
+SCRATCH_DIRS = ("HOME", "TMPDIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "XDG_CACHE_HOME")  # made if in {out}
 
 
 @dataclass
@@ -150,6 +151,9 @@ def run_steps(job: Job, workdir: Path, out: Path, slot_env: dict[str, str],
             except OSError:
                 shutil.copy2(src, dest)
     env = {k: substitute(v, out, sys.executable) for k, v in {**job.env, **slot_env}.items()}
+    scratch = [Path(env[k]) for k in SCRATCH_DIRS if k in env and str(OUT) in job.env.get(k, "")]
+    for path in scratch:
+        path.mkdir(parents=True, exist_ok=True)
     result = JobResult(device=gpu_name(env.get("CUDA_VISIBLE_DEVICES")), node=socket.gethostname())
     before = {name: sha256_of(workdir / name) for name in job.watch}
     first_start = None
@@ -174,6 +178,8 @@ def run_steps(job: Job, workdir: Path, out: Path, slot_env: dict[str, str],
     for path in out.iterdir():
         if path.is_file() and first_start is not None:
             result.ages[path.name] = path.stat().st_mtime - first_start
+    for name in ("home", "tmp"):  # the run's own HOME and TMPDIR: scratch
+        shutil.rmtree(out / name, ignore_errors=True)
     return result
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import click
 
 from .. import LoopError
+from ..confine import allowed_env
 from ..ledger import Record
 from ..prompt import DEFAULT_PROMPT_CHARS, PROMPT_OPTIONS, build_prompt, read_program
 from ..runner import run_command
@@ -51,6 +52,17 @@ PRESETS = {
               "train.py"],
     "gemini": ["gemini", "--yolo", "-p", "{prompt}"],
     "opencode": ["opencode", "run", "{prompt}"],
+}
+# What each preset's CLI needs of our environment besides the allow-list (confine.py): its own key and endpoint.
+PRESET_ENV = {
+    "claude": ("ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN", "ANTHROPIC_BASE_URL", "ANTHROPIC_MODEL",
+               "CLAUDE_CODE_OAUTH_TOKEN", "CLAUDE_CONFIG_DIR", "CLAUDE_CODE_USE_BEDROCK", "CLAUDE_CODE_USE_VERTEX"),
+    "codex": ("OPENAI_API_KEY", "OPENAI_BASE_URL", "CODEX_HOME"),
+    "aider": ("AIDER_*", "OPENAI_API_KEY", "OPENAI_API_BASE", "ANTHROPIC_API_KEY", "GEMINI_API_KEY",
+              "OPENROUTER_API_KEY", "DEEPSEEK_API_KEY", "OLLAMA_API_BASE"),
+    "gemini": ("GEMINI_API_KEY", "GOOGLE_API_KEY", "GOOGLE_CLOUD_PROJECT", "GOOGLE_CLOUD_LOCATION",
+               "GOOGLE_APPLICATION_CREDENTIALS", "GOOGLE_GENAI_USE_VERTEXAI"),
+    "opencode": ("OPENCODE_*", "ANTHROPIC_API_KEY", "OPENAI_API_KEY", "GEMINI_API_KEY", "OPENROUTER_API_KEY"),
 }
 DEFAULT_TIMEOUT_S = 900.0
 
@@ -159,6 +171,10 @@ class AgentProposer(Proposer):
             raise LoopError(f"agent command {self.template[0]!r} not found on PATH; install it, or choose another "
                             f"with --agent ({', '.join(PRESETS)}) or --agent-cmd \"...\"")
         self.timeout = float(context.options.get("agent_timeout") or DEFAULT_TIMEOUT_S)
+        # the allow-list, what the preset's CLI needs, and --pass-env: never every secret of the controller
+        wanted = PRESET_ENV.get("" if context.options.get("agent_cmd") else context.options.get("agent") or "claude", ())
+        self.env = allowed_env(pass_env=tuple(context.pass_env) + tuple(
+            name for name in os.environ if any(fnmatch.fnmatchcase(name, w) for w in wanted)))
         self.paths = Paths(context.repo, context.tag)
         self.scratch = self.paths.state / "agent"  # outside the worktree: nothing here counts as an edit
 
@@ -176,7 +192,7 @@ class AgentProposer(Proposer):
         files = {"prompt_file": str(prompt_file), "workdir": str(workdir), "description_file": str(description_file)}
         fill = {f"{{{k}}}": v for k, v in {"prompt": prompt, **files}.items()}
         argv = [fill.get(arg, arg) for arg in self.template]
-        env = dict(os.environ, **{f"AUTOLOOP_{k.upper()}": v for k, v in files.items()})  # for sh -c '...'
+        env = {**self.env, **{f"AUTOLOOP_{k.upper()}": v for k, v in files.items()}}  # for sh -c '...'
         log_path = self.scratch / "agent.log"
         before, present = (workdir / "train.py").read_text(), set(os.listdir(workdir))
         try:

@@ -19,6 +19,7 @@ class Context:
     profile: str | None  # harness profile (gpu | cpu | tiny) or None when the harness has none
     seed: int = 42
     options: dict = field(default_factory=dict)
+    pass_env: tuple[str, ...] = ()  # --pass-env: variables an agent may get besides the allow-listed ones
     spend: Spend | None = None  # the session's spend: add() each request's usage, check exceeded() before one
 
 
