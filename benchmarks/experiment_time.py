@@ -190,7 +190,7 @@ def run_experiment(args, source: Path, cache: Path, workdir: Path) -> dict:
         "session": (t0, t1), "controller_log": controller_log.read_text(), "others_cpu_s": others,
         "record": json.loads((run_dir / "record.json").read_text()),
         "run_log": (run_dir / "run.log").read_text(errors="replace") if (run_dir / "run.log").exists() else "",
-        "eval_log": (run_dir / "eval.log").read_text(errors="replace") if (run_dir / "eval.log").exists() else "",
+        "eval_result": json.loads((run_dir / "eval.json").read_text()) if (run_dir / "eval.json").exists() else {},
         "train_clock": train_clock,
     }
 
@@ -244,8 +244,7 @@ def analyse(obs: dict, budget: float) -> dict:
     controller = wall - train_wall - eval_wall
     fixed = wall - training
     session_wall = obs["session"][1] - obs["session"][0]
-    eval_result = next((json.loads(line.split(" ", 1)[1]) for line in obs["eval_log"].splitlines()
-                        if line.startswith("AUTOLOOP_EVAL ")), {})
+    eval_result = obs["eval_result"]  # what the harness evaluation wrote for the controller
     return {
         "budget": budget, "status": rec.get("status"), "val_bpb": rec.get("val_bpb"),
         "printed_val_bpb": summary.get("val_bpb"), "num_steps": num(summary.get("num_steps")),

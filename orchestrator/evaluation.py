@@ -6,10 +6,41 @@ model train.py saved through evaluate_bpb (AUTOLOOP_EVAL_ARTIFACT), not parsed f
 
 from __future__ import annotations
 
+import hmac
 import json
 import math
+from pathlib import Path
 
 EVAL_TOLERANCE = 0.005  # relative: train.py's own number and the harness's may differ only by kernel noise
+
+
+RESULT = "eval.json"  # where `prepare.py --evaluate --result` writes, in the run's directory
+
+
+def read_result(path: Path, nonce: str, exit_code: int | None, split: str = "val") -> tuple[float | None, dict, str]:
+    """(bits per byte, the whole result, '') from the file the harness evaluation wrote, or (None, ..., why not).
+
+    It counts only with this run's nonce (which the harness read from stdin before importing train.py), the
+    number a real finite float, and the process's exit status 0: printing a result, exiting early or writing
+    the file from train.py's code changes nothing."""
+    try:
+        raw = path.read_bytes()[:1 << 20]
+    except OSError:
+        return None, {}, f"the harness evaluation wrote no result (exit code {exit_code})"
+    try:
+        result = json.loads(raw)
+    except ValueError:
+        return None, {}, "the harness evaluation's result is malformed"
+    if not isinstance(result, dict) or not hmac.compare_digest(str(result.get("nonce", "")), nonce):
+        return None, {}, "the harness evaluation's result is not this run's (it was not written by the harness)"
+    if isinstance(result.get("error"), str):
+        return None, result, result["error"][:300]
+    if exit_code != 0:
+        return None, result, f"the harness evaluation exited with code {exit_code}"
+    value = result.get(f"{split}_bpb" if split != "val" else "val_bpb")
+    if type(value) is not float or not math.isfinite(value):
+        return None, result, f"the harness measured no finite val_bpb ({value!r})"
+    return value, result, ""
 
 
 def parse_evaluation(output: str, split: str = "val", failed: str = "no output") -> tuple[float | None, str]:
@@ -38,14 +69,30 @@ def read_evaluation(output: str, split: str = "val", failed: str = "no output") 
     return float(value), result, ""
 
 
-def audit_clock(metrics: dict, budget: float, seconds_to_artifact: float | None, startup_s: float = 60.0) -> str:
-    """'' if the run kept to its budget by its own report and by the controller's clock, else why not.
+CLOCK_SLACK = 0.05  # share of the budget a run may train beyond it (one slow last step), by the controller's clock
+STARTUP_SLACK = 0.2  # share of the baseline's start-up a run may take beyond it (a bigger model compiles longer)
 
-    startup_s: the least time allowed for start-up and compilation on top of the budget (half the budget if
-    that is more), since those are not on train.py's training clock."""
+
+def clock_limit(budget: float, learned: float) -> float:
+    """The longest train.py step that kept to the budget, given the start-up its session's baseline needed."""
+    return learned + budget * (1 + CLOCK_SLACK) + max(1.0, STARTUP_SLACK * learned)
+
+
+def audit_clock(metrics: dict, budget: float, seconds_to_artifact: float | None, startup_s: float = 60.0,
+                wall_s: float | None = None, learned: float | None = None) -> str:
+    """'' if the run kept to its budget, else why not. The controller's clock decides, not train.py's report:
+    once the session's baseline has run, the train step's wall time less the start-up the baseline needed
+    (`learned`: its wall time beyond the budget) must stay within the budget plus 5% and a small margin
+    (so a run that trains 1.3x the budget is refused at --budget 60 and at --budget 300). Before that, the
+    model must be ready within the budget plus `startup_s` (or half the budget, if more)."""
     reported = metrics.get("training_seconds")
     if isinstance(reported, (int, float)) and reported > budget * 1.25 + 5.0:  # one slow last step is fine
         return f"budget exceeded: training_seconds {reported:g} > budget {budget:g}"
+    if learned is not None and wall_s is not None:
+        if wall_s > clock_limit(budget, learned):
+            return (f"budget exceeded: train.py ran {wall_s:.1f}s; less the {learned:.1f}s of start-up the baseline "
+                    f"needed, that is {wall_s - learned:.1f}s of training for a budget of {budget:g}s")
+        seconds_to_artifact = None  # judged by the learned start-up instead
     allowance = budget + max(startup_s, 0.5 * budget)
     if seconds_to_artifact is not None and seconds_to_artifact > allowance:
         return (f"budget exceeded: the model was ready {seconds_to_artifact:.0f}s after start, "

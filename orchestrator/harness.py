@@ -120,10 +120,12 @@ def verify(manifest_path: Path, prepare_py: Path | None = None) -> list[str]:
     return problems
 
 
-def prepare(workdir: Path, env: dict[str, str], echo=print) -> None:
-    """Run `python prepare.py`, streaming its progress to the console."""
-    echo("autoloop: preparing data (first run only) ...")
-    proc = subprocess.Popen([sys.executable, "prepare.py"], cwd=workdir, env=env, stdout=subprocess.PIPE,
+def prepare(workdir: Path, env: dict[str, str], echo=print, force: bool = False) -> None:
+    """Run `python prepare.py` (`--force`: from scratch), streaming its progress to the console."""
+    echo("autoloop: preparing data again (a run changed it) ..." if force else
+         "autoloop: preparing data (first run only) ...")
+    proc = subprocess.Popen([sys.executable, "prepare.py", *(["--force"] if force else [])], cwd=workdir, env=env,
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     tail: list[str] = []
     try:

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import secrets
 import time
 from pathlib import Path
 from typing import Callable
 
-from .evaluation import holdout_text, parse_evaluation
+from .evaluation import RESULT, holdout_text, read_result
 from .executors import OUT, PYTHON, Executor, Job
 from .ledger import write_json_atomic
 from .state import State, group_of
-from .summary import read_tail
 
 MAX_ATTEMPTS = 4  # the executor may fail (a lost node); the evaluation itself is not retried
 
@@ -57,10 +57,12 @@ def evaluate(ws, executor: Executor, commit: str, artifact: Path, out: Path) -> 
         ws.proposal_worktree(commit)
     except Exception as e:  # noqa: BLE001 - e.g. a copied .autoloop/ whose worktrees are gone
         return None, f"cannot check out {commit[:7]}: {str(e).strip().splitlines()[-1][:200]}"
-    job = Job(steps=[[PYTHON, "prepare.py", "--evaluate", f"{OUT}/model.pt", "--split", "holdout"]],
+    nonce = secrets.token_hex(16)
+    job = Job(steps=[[PYTHON, "prepare.py", "--evaluate", f"{OUT}/model.pt", "--split", "holdout",
+                      "--result", f"{OUT}/{RESULT}"]],
               logs=["eval.log"], env={k: v for k, v in ws.env.items() if k != "AUTOLOOP_EVAL_ARTIFACT"},
               timeout_s=ws.settings.hard_timeout, workdir=ws.paths.proposal, out_dir=out,
-              inputs={"model.pt": artifact})
+              inputs={"model.pt": artifact}, step_stdin=[nonce + "\n"])
     job.on_start = lambda pid: ws.track_pid("holdout", pid, time.time())  # killed on the way out if need be
     for _ in range(MAX_ATTEMPTS):
         handle = executor.submit(job, executor.slots[0])
@@ -78,7 +80,7 @@ def evaluate(ws, executor: Executor, commit: str, artifact: Path, out: Path) -> 
     step = result.steps[0]
     if step.timed_out:
         return None, f"the harness evaluation timed out after {job.timeout_s:.0f}s"
-    value, why = parse_evaluation(read_tail(step.log), "holdout")
+    value, _, why = read_result(out / RESULT, nonce, step.exit_code, "holdout")
     (out / "model.pt").unlink(missing_ok=True)  # a copy of the input
     return value, why
 

@@ -143,7 +143,7 @@ def _reap(proc: subprocess.Popen) -> None:
 def run_command(cmd: list[str], cwd: Path, env: dict[str, str], log_path: Path, timeout_s: float,
                 on_start: Callable[[int], None] | None = None, on_tick: Callable[[float], None] | None = None,
                 tick_s: float = 1.0, cancel: threading.Event | None = None,
-                log_cap: int = LOG_CAP_BYTES) -> RunResult:
+                log_cap: int = LOG_CAP_BYTES, stdin_text: str | None = None) -> RunResult:
     """Run cmd with stdout+stderr to log_path (capped: CappedLog) in a new session; never raises for the
     command's failures.
 
@@ -155,7 +155,8 @@ def run_command(cmd: list[str], cwd: Path, env: dict[str, str], log_path: Path, 
     read_end, write_end = os.pipe()
     try:
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=write_end, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+                                stdin=subprocess.DEVNULL if stdin_text is None else subprocess.PIPE,
+                                start_new_session=True)
     except BaseException:
         os.close(read_end)
         raise
@@ -165,6 +166,12 @@ def run_command(cmd: list[str], cwd: Path, env: dict[str, str], log_path: Path, 
                             name=f"log {log_path.name}")
     pump.start()
     pgid = proc.pid  # start_new_session makes the child a session and group leader
+    if stdin_text is not None:  # a line or two (a nonce): fits the pipe, so this never blocks
+        try:
+            proc.stdin.write(stdin_text.encode())
+            proc.stdin.close()
+        except OSError:
+            pass
     if on_start is not None:
         on_start(proc.pid)
     timed_out = interrupted = False

@@ -6,6 +6,7 @@ What counts is the harness's measurement of the saved model, never the number tr
 
 from __future__ import annotations
 
+import secrets
 import statistics
 import time
 from dataclasses import dataclass
@@ -15,14 +16,14 @@ import git
 import psutil
 
 from . import LoopError, gitops
-from .evaluation import audit_clock, compare_printed, read_evaluation
+from .evaluation import RESULT, audit_clock, compare_printed, read_result
 from .executors import OUT, PYTHON, Executor, Handle, Job, JobResult, Slot, wait_any
 from .guard import new_violations
 from .ledger import Record
 from .plan import Ideas, Planned, as_running, parent_run
 from .progress import Progress, format_eta, last_step
 from .session import write_status
-from .state import Cause, Crash, Phase, State
+from .state import Cause, Crash, Phase, State, counts, group_of
 from .summary import environment_error, last_error_line, parse_summary, read_tail, val_bpb_of
 
 PROGRESS_TICK_S = 1.0
@@ -97,14 +98,18 @@ def build_job(ws, workdir: Path, run_dir: Path) -> Job:
     # a harness that finds its data through AUTOLOOP_CACHE (one with a manifest) lets the run have its own HOME;
     # another (upstream's keeps it under ~/.cache) keeps the user's
     env = {**ws.env, **{k: v for k, v in SCRATCH.items() if k != "HOME" or ws.info.manifest is not None}}
+    stdin: list[str | None] = [None]
     if ws.info.artifacts:
         env["AUTOLOOP_EVAL_ARTIFACT"] = f"{OUT}/model.pt"
-        steps.append([PYTHON, "prepare.py", "--evaluate", f"{OUT}/model.pt", "--split", "val"])
+        steps.append([PYTHON, "prepare.py", "--evaluate", f"{OUT}/model.pt", "--split", "val",
+                      "--result", f"{OUT}/{RESULT}"])
         logs.append("eval.log")
         step_env.append({"AUTOLOOP_EVAL_ARTIFACT": None})
+        stdin.append(secrets.token_hex(16) + "\n")  # the result counts only with this run's nonce
     watch = tuple(name for name in gitops.Repo(workdir).git.ls_files("-z").split("\0") if name)
     return Job(steps=steps, logs=logs, env=env, timeout_s=ws.settings.hard_timeout, workdir=workdir,
-               out_dir=run_dir, watch=watch, step_env=step_env, log_cap=int(ws.settings.max_log_mb * (1 << 20)))
+               out_dir=run_dir, watch=watch, step_env=step_env, log_cap=int(ws.settings.max_log_mb * (1 << 20)),
+               step_stdin=stdin)
 
 
 def submit(ws, executor: Executor, job: Job, slot: Slot, record: Record) -> Handle:
@@ -155,6 +160,7 @@ def run_generation(ws, executor: Executor, state: State, planned: list[Planned],
     With pipelining the next generation's ideas are made meanwhile."""
     runs: list[Run] = []
     slots, born = list(executor.slots), time.monotonic()
+    startup = learned_startup(state, ws.settings.budget)  # the clock audit's allowance, from the baseline
     next_n = state.done + 1
     try:
         for item, slot in zip(planned, slots):
@@ -171,7 +177,11 @@ def run_generation(ws, executor: Executor, state: State, planned: list[Planned],
                         infra_retry(ws, executor, run.record, result)
                         run.handle = submit(ws, executor, run.job, run.slot, run.record)
                         continue
-                    run.crash, run.done = measure(ws, run.record, result), True
+                    run.crash, run.done = measure_safely(ws, run.record, result, run.job, startup,
+                                                         run.kind not in ("baseline", "parent")), True
+                    if problems := ws.integrity_problems():  # the run changed prepare.py or the data
+                        run.crash = Crash(f"the run changed the harness: {'; '.join(problems)}", Phase.AUDIT)
+                        ws.restore_harness()
                     if run.crash:
                         free.append(run.slot)
             busy = [r for r in runs if not r.done]
@@ -220,7 +230,26 @@ def infra_retry(ws, executor: Executor, record: Record, result: JobResult) -> No
             f"running it again ({len(failures)}/{MAX_INFRA_RETRIES})")
 
 
-def measure(ws, record: Record, result: JobResult) -> Crash | None:
+def measure_safely(ws, record: Record, result: JobResult, job: Job, startup: float | None,
+                   audit: bool) -> Crash | None:
+    """measure(), where anything unreadable a run left is its crash, never an exception out of the loop (which
+    a resume would meet again: a poison pill)."""
+    try:
+        return measure(ws, record, result, job, startup, audit)
+    except Exception as e:  # noqa: BLE001
+        return Crash(f"what the run left could not be read: {type(e).__name__}: {str(e)[:200]}", Phase.EVALUATE)
+
+
+def learned_startup(state: State, budget: float) -> float | None:
+    """Seconds the session's baseline runs needed beyond the budget (start-up, compilation, saving): the
+    allowance the clock audit gives every edit (None until the baseline has run)."""
+    walls = [r.timings["train"] for r in state.records
+             if state.baseline_group and group_of(r) == state.baseline_group and counts(r) and "train" in r.timings]
+    return max(0.0, max(walls) - budget) if walls else None
+
+
+def measure(ws, record: Record, result: JobResult, job: Job, startup: float | None = None,
+            audit: bool = True) -> Crash | None:
     """Read what the run left (its summary, the harness's measurement, the clock) into the record; returns why
     it is a crash, or None. The number that counts is the harness's, never the one train.py printed."""
     s = ws.settings
@@ -245,6 +274,9 @@ def measure(ws, record: Record, result: JobResult) -> Crash | None:
         return Crash(f"the run modified {', '.join(result.modified)}", Phase.AUDIT)
     if "val_bpb" not in record.metrics:
         return Crash(f"no val_bpb in the summary: {last_error_line(log_text)}".rstrip(": "), Phase.TRAIN)
+    if audit and (why := audit_clock(record.metrics, s.budget, result.ages.get("model.pt"), s.startup_allowance,
+                                     train_step.wall_s, startup)):
+        return Crash(why, Phase.AUDIT)
     if not ws.info.artifacts:  # a harness without artifacts (e.g. upstream's): its printed number
         record.val_bpb = printed
         return None if printed is not None else \
@@ -252,14 +284,13 @@ def measure(ws, record: Record, result: JobResult) -> Crash | None:
     if "model.pt" not in result.ages:
         return Crash("train.py did not call prepare.evaluate_bpb: no model was saved for the harness to measure",
                      Phase.AUDIT)
-    if why := audit_clock(record.metrics, s.budget, result.ages["model.pt"], s.startup_allowance):
-        return Crash(why, Phase.AUDIT)
     if len(result.steps) < 2:
         return Crash("the harness evaluation did not run", Phase.EVALUATE)
     eval_step = result.steps[1]
     if eval_step.timed_out:
         return Crash(f"the harness evaluation timed out after {s.hard_timeout:.0f}s", Phase.EVALUATE)
-    measured, found, why = read_evaluation(read_tail(eval_step.log))
+    nonce = (job.step_stdin[1] or "").strip() if len(job.step_stdin) > 1 else ""
+    measured, found, why = read_result(Path(eval_step.log).parent / RESULT, nonce, eval_step.exit_code)
     if measured is None:
         blamed = environment_error(read_tail(eval_step.log)) if eval_step.exit_code else ""
         return Crash(f"{why}: {blamed}" if blamed else why, Phase.EVALUATE, Cause.ENVIRONMENT if blamed else Cause.IDEA)

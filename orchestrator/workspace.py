@@ -193,6 +193,23 @@ class Workspace:
                 problems.append("the manifest (evaluation sizes, file hashes) changed since session start")
         return problems
 
+    def restore_harness(self) -> None:
+        """After a run changed the harness: the pinned prepare.py checked out again and the data prepared again
+        from scratch, so the next run is fine; LoopError if that does not make it verify."""
+        try:
+            gitops.reset_to(self.wt, self.wt.head.commit.hexsha)
+        except Exception as e:  # noqa: BLE001 - git failing here is the end of the night, said clearly
+            raise LoopError(f"a run changed the pinned harness and it could not be restored ({e}); restore "
+                            f"{self.paths.worktree} (git -C {self.paths.worktree} reset --hard), then run the same "
+                            "command to resume") from None
+        if self.info and self.info.manifest is not None and (
+                harness.verify(self.info.manifest)
+                or harness.manifest_digest(self.info.manifest) != self.manifest_digest):
+            harness.prepare(self.paths.worktree, self.env, self.echo, force=True)
+        if problems := self.integrity_problems():
+            raise LoopError(f"the prepared harness does not verify after preparing it again ({'; '.join(problems)}); "
+                            "re-run `python prepare.py --force`, then the same autoloop command to resume")
+
     def track_pid(self, slot: int | str, pid: int, created: float) -> None:
         with self._pids_lock:
             self.pids[str(slot)] = [pid, created]

@@ -90,3 +90,106 @@ def test_an_agent_gets_its_presets_key_and_nothing_else(fake_repo, tmp_path):
         os.environ.update(old)
     assert codex.env["OPENAI_API_KEY"] == SECRETS["OPENAI_API_KEY"]
     assert not {"HF_TOKEN", "AWS_SECRET_ACCESS_KEY", "SSH_AUTH_SOCK", "CUDA_TOKEN_X"} & set(codex.env)
+
+
+def test_the_metric_cannot_be_set_by_the_edit(tiny_env, tmp_path, monkeypatch):
+    """Old: the harness took the first AUTOLOOP_EVAL line of the evaluation's stdout, without its exit code; a
+    malformed one raised out of the loop and crashed every resume. Now the result is a file with this run's
+    nonce (read from stdin before train.py is imported), written with functions taken before that import."""
+    from conftest import ROOT, make_repo
+    from orchestrator.loop import Settings, run_loop
+    from test_trust import after_imports
+
+    for key in ("AUTOLOOP_CACHE", "AUTOLOOP_PROFILE", "AUTOLOOP_DEVICE"):
+        monkeypatch.setenv(key, tiny_env[key])
+    repo = tmp_path / "proj"
+    make_repo(repo, {name: (ROOT / name).read_text() for name in ("train.py", "prepare.py", ".gitignore")})
+    result = 'open(_s.argv[_s.argv.index("--result") + 1], "w").write({!r})\n    _o._exit(0)'
+    forgeries = [
+        ("prints a result", after_imports("if __name__ != '__main__':\n    print('AUTOLOOP_EVAL {\"val_bpb\": 0.1}')")),
+        ("writes a result and exits", after_imports("import sys as _s, os as _o\nif '--result' in _s.argv:\n    " +
+                                                    result.format('{"val_bpb": 0.1, "nonce": "guess"}'))),
+        ("replaces json.dumps", after_imports("import json as _j\nif __name__ != '__main__':\n"
+                                              "    _j.dumps = lambda *a, **k: '{\"val_bpb\": 0.1}'")),
+        ("malformed result", after_imports("import sys as _s, os as _o\nif '--result' in _s.argv:\n    " +
+                                           result.format("{not json"))),
+    ]
+    plan = tmp_path / "plan.json"
+    fakes.write_plan(plan, [{"description": name, "train": source} for name, source in forgeries])
+    monkeypatch.setenv("AUTOLOOP_TEST_PLAN", str(plan))
+    settings = dict(repo=repo, tag="m", budget=1.0, proposer="fakes:Scripted", baseline_repeats=0,
+                    startup_allowance=15.0, gate="strict")
+    from orchestrator.noise import Gate
+    settings["gate"] = Gate("strict")
+    run_loop(Settings(**settings, max_experiments=3), echo=lambda line: None)
+    run_loop(Settings(**settings), echo=lambda line: None)  # a resume after the first forgeries
+    records = [read_record(Paths(repo, "m").run_dir(n)) for n in range(1, 6)]
+    baseline, printed, early, dumps, malformed = records
+    for record in (baseline, printed, dumps):
+        assert record.status != "crash" and record.val_bpb > 1.0, (record.description, record.reason)
+        assert record.val_bpb == record.metrics["harness_val_bpb"]
+    assert early.status == "crash" and "not this run's" in early.reason
+    assert malformed.status == "crash" and "malformed" in malformed.reason
+    assert all(r.val_bpb is None or r.val_bpb > 1.0 for r in records)
+
+
+def test_the_clock_is_the_controllers():
+    """Old: the audit trusted train.py's own training_seconds with a slack of max(60 s, budget/2): an edit that
+    counts only half of each step trained ~1.9x the budget at --budget 60 and was kept. Now the train step's
+    wall time, less the start-up the session's baseline needed, decides."""
+    from orchestrator.evaluation import audit_clock
+
+    honest = {"training_seconds": 1.0, "num_steps": 10}  # what an under-reporting edit prints
+    for budget in (60.0, 300.0):
+        for startup in (5.0, 30.0, 60.0):  # the baseline's start-up (imports, data, compilation)
+            assert audit_clock(honest, budget, None, wall_s=startup + budget * 1.02, learned=startup) == ""
+            why = audit_clock(honest, budget, None, wall_s=startup + budget * 1.3, learned=startup)
+            assert why.startswith("budget exceeded: train.py ran"), (budget, startup)
+
+
+def test_an_under_reporting_clock_is_refused(fake_repo, plan):
+    repo = fake_repo(fakes.ok(1.0, sleep=8.0))  # the baseline trains its budget
+    plan([{"description": "trains 1.3x, reports 0.1 s", "train": fakes.ok(0.5, sleep=10.4)},
+          {"description": "honest", "train": fakes.ok(0.9, sleep=8.0)}])
+    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", "--repo", str(repo), "--tag", "c",
+                           "--budget", "8", "--proposer", "fakes:Scripted", "--max-experiments", "3"],
+                          capture_output=True, text=True, env=subprocess_env(), timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = read_rows(Paths(repo, "c").ledger)
+    assert [r.status for r in rows] == ["keep", "crash", "keep"], rows
+    assert "budget exceeded: train.py ran" in rows[1].description
+
+
+def test_a_run_that_changes_the_prepared_data_is_a_crash_and_the_data_is_prepared_again(tiny_env, tmp_path,
+                                                                                          monkeypatch):
+    """Old: the data were re-verified only before the next run: the run that changed them was scored (and
+    could be kept), and the next one stopped the night with an integrity error. Now the run that changed them
+    is a crash row, the data are prepared again, and the loop goes on."""
+    from conftest import ROOT, make_repo
+    from orchestrator.loop import Settings, run_loop
+    from orchestrator.noise import Gate
+    from test_trust import after_imports
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("AUTOLOOP_CACHE", str(cache))
+    for key in ("AUTOLOOP_PROFILE", "AUTOLOOP_DEVICE"):
+        monkeypatch.setenv(key, tiny_env[key])
+    repo = tmp_path / "proj"
+    make_repo(repo, {name: (ROOT / name).read_text() for name in ("train.py", "prepare.py", ".gitignore")})
+    settings = dict(repo=repo, tag="d", budget=1.0, proposer="fakes:Scripted", baseline_repeats=0,
+                    startup_allowance=15.0, gate=Gate("strict"))
+    plan = tmp_path / "plan.json"
+    monkeypatch.setenv("AUTOLOOP_TEST_PLAN", str(plan))
+    fakes.write_plan(plan, [])
+    run_loop(Settings(**settings, max_experiments=1), echo=lambda line: None)  # the baseline prepares the data
+    target = next(cache.glob("*/tokenizer-*/token_bytes.pt"))
+    fakes.write_plan(plan, [
+        {"description": "changes the data", "train": after_imports(f"open({str(target)!r}, 'ab').write(b'x')")},
+        {"description": "honest", "train": after_imports("pass")}])
+    lines = []
+    run_loop(Settings(**settings, max_experiments=3), echo=lines.append)
+    rows = read_rows(Paths(repo, "d").ledger)
+    assert [r.status for r in rows][1:] == ["crash", "keep"] or [r.status for r in rows][1] == "crash"
+    assert "the run changed the harness: prepared file" in rows[1].description
+    assert any("preparing data again" in line for line in lines)
+    assert rows[2].status != "crash", rows[2]  # the next run is fine

@@ -131,10 +131,12 @@ def test_a_signal_stops_every_slot_then_the_session_resumes(fake_repo, tmp_path,
 
 @pytest.mark.timeout(180)
 def test_a_loop_error_in_the_middle_of_a_two_slot_generation(fake_repo, tmp_path):
-    """Slot 2's run breaks the pinned harness and crashes while slot 1 trains: re-running the freed slot finds
-    the harness changed, which stops the loop (LoopError) -- and slot 1's run with it."""
+    """Slot 2's run breaks the pinned harness (and the git index it would be restored with) and crashes while
+    slot 1 trains: the harness cannot be restored, which stops the loop (LoopError) -- and slot 1's run with it."""
     repo = fake_repo(fakes.ok(1.0))
     breaker = ('from pathlib import Path\nPath("../../worktree/prepare.py").write_text("TIME_BUDGET = 1\\n")\n'
+               'gitdir = Path("../../worktree/.git").read_text().split(":", 1)[1].strip()\n'
+               'Path(gitdir, "index.lock").write_text("")\n'
                'raise SystemExit("broke the harness")\n')
     plan = fakes.write_plan(tmp_path / "plan.json", [
         {"description": "slow", "train": fakes.ok(0.9, sleep=60.0)}, {"description": "breaks", "train": breaker}])
@@ -143,10 +145,12 @@ def test_a_loop_error_in_the_middle_of_a_two_slot_generation(fake_repo, tmp_path
     wait_for(lambda: status(repo).get("generation") == 2 and status(repo).get("train_pids"), proc=proc)
     procs = tree([pid for pid, _ in status(repo)["train_pids"].values()])
     out, _ = proc.communicate(timeout=90)
-    assert proc.returncode == 1 and "prepare.py differs from the one pinned" in out and "Traceback" not in out, out
+    assert proc.returncode == 1 and "the pinned harness and it could not be restored" in out, out
+    assert "Traceback" not in out, out
     time.sleep(3)
     assert alive(procs) == [], out
     assert status(repo)["phase"] == "stopped" and not status(repo)["train_pids"]
+    (repo / ".git" / "worktrees" / "worktree" / "index.lock").unlink()
     subprocess.run(["git", "checkout", "prepare.py"], cwd=Paths(repo, "s").worktree, check=True)
     fakes.write_plan(plan, [{"description": "fast", "train": fakes.ok(0.95)}])
     again = start(repo, "--budget", "30", "--proposer", "fakes:Scripted", "--workers", "2", "--gpus", "",

@@ -43,6 +43,7 @@ class Job:
     step_env: list[dict[str, str | None]] = field(default_factory=list)  # per step: set (or None: unset)
     on_start: Callable[[int], None] | None = None  # the pid of each step's process (executors on this machine)
     log_cap: int = LOG_CAP_BYTES  # bytes a step's log keeps at most (its head and its tail)
+    step_stdin: list[str | None] = field(default_factory=list)  # per step: what it reads on stdin (None: nothing)
 
 
 @dataclass
@@ -167,7 +168,8 @@ def run_steps(job: Job, workdir: Path, out: Path, slot_env: dict[str, str],
             else:
                 step_env[key] = substitute(value, out, sys.executable)
         run = run_command([substitute(a, out, sys.executable) for a in cmd], workdir, step_env, out / log,
-                          job.timeout_s, on_start=job.on_start, cancel=cancel, log_cap=job.log_cap)
+                          job.timeout_s, on_start=job.on_start, cancel=cancel, log_cap=job.log_cap,
+                          stdin_text=job.step_stdin[i] if i < len(job.step_stdin) else None)
         result.steps.append(StepResult(run.exit_code, run.timed_out, run.wall_s, out / log))
         if run.interrupted:
             result.interrupted = True
