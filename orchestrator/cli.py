@@ -118,6 +118,12 @@ def main() -> None:
 @click.option("--max-repeats", type=click.IntRange(min=1), default=3, show_default=True,
               envvar="AUTOLOOP_MAX_REPEATS", show_envvar=True,
               help="Runs of one candidate at most, when it is better but inside the margin.")
+@click.option("--sandbox", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+              envvar="AUTOLOOP_SANDBOX", show_envvar=True,
+              help="Run each step in a bubblewrap sandbox: only its run directory and worktree writable, no "
+                   "network. auto: where bubblewrap works (Linux), else unconfined with a note.")
+@click.option("--sandbox-net", is_flag=True, default=False, envvar="AUTOLOOP_SANDBOX_NET", show_envvar=True,
+              help="Let sandboxed runs reach the network.")
 @click.option("--pass-env", multiple=True, metavar="NAME", envvar="AUTOLOOP_PASS_ENV", show_envvar=True,
               help="Also give runs and agents this variable of ours (repeatable); they get only an allow-list "
                    "otherwise (no API keys, tokens or credentials).")
@@ -174,6 +180,7 @@ def run(ctx: click.Context, **values) -> None:
                         options={k: v for k, v in plugin_values["proposer"].items() if v is not None},
                         gate=Gate(values["gate"], values["gate_sigmas"], values["min_delta"], values["max_repeats"]),
                         baseline_repeats=values["baseline_repeats"], max_crashes=values["max_crashes"], pass_env=tuple(values["pass_env"]),
+                        sandbox=values["sandbox"], sandbox_net=values["sandbox_net"],
                         max_log_mb=values["max_log_mb"], executor=values["executor"],
                         workers=values["workers"],
                         executor_options={k: v for k, v in plugin_values["executor"].items()

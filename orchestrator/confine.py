@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import subprocess
+import sys
 
 ALLOWED = {"PATH", "HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME", "LANG", "LANGUAGE", "TZ", "TERM", "USER", "LOGNAME", "SHELL", "PYTHONPATH", "PYTHONHASHSEED",
            "PYTHONUNBUFFERED", "VIRTUAL_ENV", "CONDA_PREFIX", "CONDA_DEFAULT_ENV", "LD_LIBRARY_PATH",
@@ -51,3 +54,38 @@ def redact(text: str, environ: dict[str, str] | None = None) -> str:
     for value in secret_values(environ):
         text = text.replace(value, f"[redacted {names[value]}]")
     return text
+
+
+# ---------------------------------------------------------------------------
+# The OS sandbox (Linux, bubblewrap): a run may write only its own directories and reach no network
+# ---------------------------------------------------------------------------
+
+_PROBE: dict[str, str] = {}
+
+
+def sandbox_problem() -> str:
+    """'' where bubblewrap can confine a run on this machine, else why not (checked once per process)."""
+    if "result" not in _PROBE:
+        if not sys.platform.startswith("linux"):
+            _PROBE["result"] = f"no OS sandbox on {sys.platform} (bubblewrap is Linux only)"
+        elif shutil.which("bwrap") is None:
+            _PROBE["result"] = "bubblewrap is not installed (apt-get install bubblewrap, dnf install bubblewrap)"
+        else:
+            try:
+                proc = subprocess.run(["bwrap", *_BASE, "--unshare-net", "--", "true"], capture_output=True,
+                                      text=True, timeout=30)
+                _PROBE["result"] = "" if proc.returncode == 0 else \
+                    f"bubblewrap cannot run here ({(proc.stderr.strip().splitlines() or ['?'])[-1][:160]})"
+            except (OSError, subprocess.TimeoutExpired) as e:
+                _PROBE["result"] = f"bubblewrap cannot run here ({e})"
+    return _PROBE["result"]
+
+
+_BASE = ("--ro-bind", "/", "/", "--dev-bind", "/dev", "/dev", "--proc", "/proc", "--die-with-parent")
+
+
+def sandboxed(cmd: list[str], writable: list[str], net: bool) -> list[str]:
+    """cmd run by bubblewrap: the whole filesystem read-only but `writable`, devices (GPUs) visible, no network
+    unless `net`. The process keeps its pid tree under ours, so a timeout still kills all of it."""
+    binds = [arg for path in writable for arg in ("--bind", path, path)]
+    return ["bwrap", *_BASE, *binds, *([] if net else ["--unshare-net"]), "--", *cmd]

@@ -22,7 +22,7 @@ if os.path.exists("prepare.py"):
     info.update(manifest=str(getattr(prepare, "MANIFEST_PATH", "") or ""), profile=getattr(prepare, "PROFILE", None),
                 time_budget=getattr(prepare, "TIME_BUDGET", None), artifacts=hasattr(prepare, "save_eval_artifact"),
                 dataset=getattr(prepare, "DATASET", None), smoke_warning=getattr(prepare, "SMOKE_TEST_WARNING", None),
-                cache=str(getattr(prepare, "CACHE_DIR", "") or ""))
+                cache=str(getattr(prepare, "CACHE_DIR", "") or ""), result_file=hasattr(prepare, "_write_result"))
 if "torch" in sys.argv[1:] or "torch" in sys.modules:  # torch's view of CUDA (free when prepare imported it)
     try:
         import torch
@@ -45,6 +45,7 @@ class HarnessInfo:
     dataset: str | None = None  # the data prepare.py uses (its default depends on the profile)
     smoke_warning: str | None = None  # what prepare.py says of a corpus too small for the profile
     cache: str = ""  # where prepare.py keeps its data (CACHE_DIR), as resolved with the controller's HOME
+    result_file: bool = False  # `prepare.py --evaluate --result FILE` (older ones print the result instead)
 
 
 def sha256_file(path: Path) -> str:
@@ -83,7 +84,7 @@ def query(workdir: Path, env: dict[str, str], torch: bool = False) -> HarnessInf
     data = json.loads(line.split(" ", 1)[1])
     return HarnessInfo(Path(data["manifest"]) if data.get("manifest") else None, data.get("profile"),
                        data.get("time_budget"), bool(data.get("artifacts")), data.get("torch"), data.get("dataset"),
-                       data.get("smoke_warning"), data.get("cache") or "")
+                       data.get("smoke_warning"), data.get("cache") or "", bool(data.get("result_file")))
 
 
 def manifest_digest(manifest_path: Path) -> str:

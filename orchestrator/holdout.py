@@ -10,7 +10,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from .evaluation import RESULT, holdout_text, read_result
+from .evaluation import RESULT, holdout_text, read_evaluation, read_result
+from .summary import read_tail
 from .executors import OUT, PYTHON, Executor, Job
 from .ledger import write_json_atomic
 from .state import State, group_of
@@ -58,11 +59,11 @@ def evaluate(ws, executor: Executor, commit: str, artifact: Path, out: Path) -> 
     except Exception as e:  # noqa: BLE001 - e.g. a copied .autoloop/ whose worktrees are gone
         return None, f"cannot check out {commit[:7]}: {str(e).strip().splitlines()[-1][:200]}"
     nonce = secrets.token_hex(16)
-    job = Job(steps=[[PYTHON, "prepare.py", "--evaluate", f"{OUT}/model.pt", "--split", "holdout",
-                      "--result", f"{OUT}/{RESULT}"]],
+    channel = ["--result", f"{OUT}/{RESULT}"] if ws.info.result_file else []
+    job = Job(steps=[[PYTHON, "prepare.py", "--evaluate", f"{OUT}/model.pt", "--split", "holdout", *channel]],
               logs=["eval.log"], env={k: v for k, v in ws.env.items() if k != "AUTOLOOP_EVAL_ARTIFACT"},
               timeout_s=ws.settings.hard_timeout, workdir=ws.paths.proposal, out_dir=out,
-              inputs={"model.pt": artifact}, step_stdin=[nonce + "\n"])
+              inputs={"model.pt": artifact}, step_stdin=[nonce + "\n"], sandbox=ws.sandbox)
     job.on_start = lambda pid: ws.track_pid("holdout", pid, time.time())  # killed on the way out if need be
     for _ in range(MAX_ATTEMPTS):
         handle = executor.submit(job, executor.slots[0])
@@ -80,7 +81,8 @@ def evaluate(ws, executor: Executor, commit: str, artifact: Path, out: Path) -> 
     step = result.steps[0]
     if step.timed_out:
         return None, f"the harness evaluation timed out after {job.timeout_s:.0f}s"
-    value, _, why = read_result(out / RESULT, nonce, step.exit_code, "holdout")
+    value, _, why = read_result(out / RESULT, nonce, step.exit_code, "holdout") if channel else \
+        read_evaluation(read_tail(step.log), "holdout")
     (out / "model.pt").unlink(missing_ok=True)  # a copy of the input
     return value, why
 

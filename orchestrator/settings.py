@@ -29,6 +29,8 @@ class Settings:
     max_cost: float | None = None  # ... or this many dollars (needs prices in the proposer options)
     options: dict = field(default_factory=dict)  # proposer options (agent command, LLM endpoint, ...)
     gate: Gate = field(default_factory=Gate)  # the keep rule (noise-aware by default)
+    sandbox: str = "auto"  # on | off | auto (on where bubblewrap works): runs write only their own directories
+    sandbox_net: bool = False  # let sandboxed runs reach the network
     pass_env: tuple[str, ...] = ()  # variables runs and agents get besides the allow-listed ones (confine.py)
     max_log_mb: float = 64.0  # a run's log keeps its first and last half of this many MiB
     max_crashes: int = 5  # crashes in a row that stop the loop (the circuit breaker)

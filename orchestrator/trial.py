@@ -16,7 +16,7 @@ import git
 import psutil
 
 from . import LoopError, gitops
-from .evaluation import RESULT, audit_clock, compare_printed, read_result
+from .evaluation import RESULT, audit_clock, compare_printed, read_evaluation, read_result
 from .executors import OUT, PYTHON, Executor, Handle, Job, JobResult, Slot, wait_any
 from .guard import new_violations
 from .ledger import Record
@@ -102,14 +102,14 @@ def build_job(ws, workdir: Path, run_dir: Path) -> Job:
     if ws.info.artifacts:
         env["AUTOLOOP_EVAL_ARTIFACT"] = f"{OUT}/model.pt"
         steps.append([PYTHON, "prepare.py", "--evaluate", f"{OUT}/model.pt", "--split", "val",
-                      "--result", f"{OUT}/{RESULT}"])
+                      *(["--result", f"{OUT}/{RESULT}"] if ws.info.result_file else [])])
         logs.append("eval.log")
         step_env.append({"AUTOLOOP_EVAL_ARTIFACT": None})
         stdin.append(secrets.token_hex(16) + "\n")  # the result counts only with this run's nonce
     watch = tuple(name for name in gitops.Repo(workdir).git.ls_files("-z").split("\0") if name)
     return Job(steps=steps, logs=logs, env=env, timeout_s=ws.settings.hard_timeout, workdir=workdir,
                out_dir=run_dir, watch=watch, step_env=step_env, log_cap=int(ws.settings.max_log_mb * (1 << 20)),
-               step_stdin=stdin)
+               step_stdin=stdin, sandbox=ws.sandbox)
 
 
 def submit(ws, executor: Executor, job: Job, slot: Slot, record: Record) -> Handle:
@@ -161,6 +161,7 @@ def run_generation(ws, executor: Executor, state: State, planned: list[Planned],
     runs: list[Run] = []
     slots, born = list(executor.slots), time.monotonic()
     startup = learned_startup(state, ws.settings.budget)  # the clock audit's allowance, from the baseline
+    protected = ws.protected(state)  # checked after every run, restored if touched
     next_n = state.done + 1
     try:
         for item, slot in zip(planned, slots):
@@ -182,6 +183,9 @@ def run_generation(ws, executor: Executor, state: State, planned: list[Planned],
                     if problems := ws.integrity_problems():  # the run changed prepare.py or the data
                         run.crash = Crash(f"the run changed the harness: {'; '.join(problems)}", Phase.AUDIT)
                         ws.restore_harness()
+                    if touched := ws.touched(protected):  # put back as it was
+                        run.crash = Crash(f"the run touched what it may not (restored): {', '.join(touched[:5])}",
+                                          Phase.AUDIT)
                     if run.crash:
                         free.append(run.slot)
             busy = [r for r in runs if not r.done]
@@ -267,8 +271,12 @@ def measure(ws, record: Record, result: JobResult, job: Job, startup: float | No
     if train_step.timed_out:
         return Crash(f"timeout after {s.hard_timeout:.0f}s", Phase.TRAIN)
     if train_step.exit_code != 0:
+        line = last_error_line(log_text)
+        if ws.sandbox is not None and "Read-only file system" in log_text:
+            return Crash(f"exit code {train_step.exit_code}: the sandbox refused a write outside the run's "
+                         f"directory ({line})", Phase.TRAIN)
         blamed = environment_error(log_text)
-        return Crash(f"exit code {train_step.exit_code}: {blamed or last_error_line(log_text)}".rstrip(": "),
+        return Crash(f"exit code {train_step.exit_code}: {blamed or line}".rstrip(": "),
                      Phase.TRAIN, Cause.ENVIRONMENT if blamed else Cause.IDEA)
     if result.modified:
         return Crash(f"the run modified {', '.join(result.modified)}", Phase.AUDIT)
@@ -290,7 +298,10 @@ def measure(ws, record: Record, result: JobResult, job: Job, startup: float | No
     if eval_step.timed_out:
         return Crash(f"the harness evaluation timed out after {s.hard_timeout:.0f}s", Phase.EVALUATE)
     nonce = (job.step_stdin[1] or "").strip() if len(job.step_stdin) > 1 else ""
-    measured, found, why = read_result(Path(eval_step.log).parent / RESULT, nonce, eval_step.exit_code)
+    if ws.info.result_file:
+        measured, found, why = read_result(Path(eval_step.log).parent / RESULT, nonce, eval_step.exit_code)
+    else:  # a prepare.py from before the result file: its printed line (see the note at start)
+        measured, found, why = read_evaluation(read_tail(eval_step.log))
     if measured is None:
         blamed = environment_error(read_tail(eval_step.log)) if eval_step.exit_code else ""
         return Crash(f"{why}: {blamed}" if blamed else why, Phase.EVALUATE, Cause.ENVIRONMENT if blamed else Cause.IDEA)

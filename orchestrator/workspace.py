@@ -12,7 +12,7 @@ from typing import Callable
 
 import psutil
 
-from . import LoopError, gitops, gpu, harness
+from . import LoopError, confine, gitops, gpu, harness
 from .executors import Executor
 from .judge import row_of
 from .ledger import Record, append_row, ensure_header, write_json_atomic, write_record
@@ -50,6 +50,7 @@ class Workspace:
         self.pids: dict[str, list[float]] = {}  # slot -> [pid, create time] of the process it runs here
         self._pids_lock = threading.Lock()  # slot threads report pids while the loop records
         self.generation = 0  # generations started by this process
+        self.sandbox: dict | None = None  # the runs' bubblewrap settings (Job.sandbox); None: unconfined
 
     def proposal_worktree(self, base: str):
         """The proposers' worktree, reset to base (detached; never on the loop's branch)."""
@@ -70,6 +71,13 @@ class Workspace:
         """Check the repo, make the worktree, prepare and pin the harness. Call with the lock held."""
         gitops.require_clean(self.repo)
         gitops.exclude_state(self.repo)
+        if self.settings.sandbox != "off":
+            if problem := confine.sandbox_problem():
+                if self.settings.sandbox == "on":
+                    raise LoopError(f"--sandbox on, but {problem}; install it, or run unconfined with --sandbox off")
+                self.echo(f"autoloop: note: runs are unconfined: {problem}")
+            else:
+                self.sandbox = {"net": self.settings.sandbox_net, "required": self.settings.sandbox == "on"}
         self.wt = gitops.ensure_worktree(self.repo, self.settings.tag, self.paths.worktree)
         self.paths.runs.mkdir(parents=True, exist_ok=True)
         self.link_results()
@@ -93,6 +101,9 @@ class Workspace:
                       f"{self.settings.budget:g} does not reach it, so runs are timed, audited and pinned at {fixed:g}s")
             self.settings.budget = fixed  # the hard timeout, the clock audit, the ETA and the pin follow it
             self.env["AUTOLOOP_TIME_BUDGET"] = f"{fixed:g}"
+        if self.info.artifacts and not self.info.result_file:
+            self.echo("autoloop: note: this prepare.py predates the evaluation's result file: the metric is read from "
+                      "its output, which an edit could forge; update prepare.py from autoloop's")
         if self.info.profile == "gpu" and self.info.dataset == "pystdlib" and self.info.smoke_warning:
             self.echo(f"autoloop: {self.info.smoke_warning}")
         self.prepare_sha = harness.sha256_file(pinned) if pinned.exists() else ""
@@ -193,6 +204,33 @@ class Workspace:
                 problems.append("the manifest (evaluation sizes, file hashes) changed since session start")
         return problems
 
+    def protected(self, state: State) -> dict[Path, bytes | None]:
+        """What no run may touch, as it is now: the ledger, the records, the session pin, the queue, the repo's
+        git config and hooks (the controller runs git: a hook planted there would run with its rights)."""
+        hooks = Path(self.repo.common_dir) / "hooks"
+        paths = [self.paths.ledger, self.paths.session, self.paths.queue, Path(self.repo.common_dir) / "config",
+                 *(self.paths.run_dir(r.n) / "record.json" for r in state.records),
+                 *(hooks.iterdir() if hooks.is_dir() else ())]
+        return {path: _read(path) for path in paths}
+
+    def touched(self, before: dict[Path, bytes | None]) -> list[str]:
+        """What a run changed of `before` (protected()), each put back as it was; new hooks removed. The queue may
+        grow (`autoloop queue add` while a loop runs), never change."""
+        hooks = Path(self.repo.common_dir) / "hooks"
+        now = {p: _read(p) for p in [*before, *(hooks.iterdir() if hooks.is_dir() else ())]}
+        changed = []
+        for path, data in now.items():
+            old = before.get(path)
+            if data == old or path == self.paths.queue and old is not None and data and data.startswith(old):
+                continue
+            changed.append(str(path.relative_to(self.settings.repo)) if path.is_relative_to(self.settings.repo)
+                           else str(path))
+            if old is None:
+                path.unlink(missing_ok=True)
+            else:
+                path.write_bytes(old)
+        return changed
+
     def restore_harness(self) -> None:
         """After a run changed the harness: the pinned prepare.py checked out again and the data prepared again
         from scratch, so the next run is fine; LoopError if that does not make it verify."""
@@ -240,6 +278,13 @@ class Workspace:
             self.pids.pop(str(record.slot or 0), None)
             write_status(self.paths, phase="idle", train_pid=None, train_pids=dict(self.pids), last=record.n,
                          sigma=sigma.value, sigma_dof=sigma.dof)
+
+
+def _read(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return None
 
 
 class SessionChanged(LoopError):

@@ -22,7 +22,7 @@ def autoloop(repo, *args, env=None, timeout=180):
                           timeout=timeout)
 
 
-PRINTS_ENV = 'import os, sys\nprint("ENV", sorted(os.environ.items()))\nprint("HOME", os.environ.get("HOME"))\n'
+PRINTS_ENV = 'import os, sys\nprint("ENV", sorted(os.environ.items()))\nprint("TMPDIR", os.environ.get("TMPDIR"))\n'
 
 
 def test_a_run_that_prints_the_environment_sees_no_secret(fake_repo):
@@ -35,9 +35,9 @@ def test_a_run_that_prints_the_environment_sees_no_secret(fake_repo):
     assert "ENV [" in log and "'PATH'" in log and "passed-on-purpose" in log
     for name, value in SECRETS.items():
         assert value not in log and name not in log, name
-    home = log.split("HOME ", 1)[1].splitlines()[0]
-    assert home.endswith("/runs/1/home")  # its own HOME (deleted afterwards)
-    assert not (Paths(repo, "e").run_dir(1) / "home").exists()
+    tmp = log.split("TMPDIR ", 1)[1].splitlines()[0]
+    assert tmp.endswith("/runs/1/tmp")  # its own TMPDIR (deleted afterwards; HOME too, with autoloop's harness)
+    assert not (Paths(repo, "e").run_dir(1) / "tmp").exists()
 
 
 def test_nothing_sent_to_an_llm_holds_a_secret_of_ours(fake_repo, monkeypatch):
@@ -193,3 +193,90 @@ def test_a_run_that_changes_the_prepared_data_is_a_crash_and_the_data_is_prepare
     assert "the run changed the harness: prepared file" in rows[1].description
     assert any("preparing data again" in line for line in lines)
     assert rows[2].status != "crash", rows[2]  # the next run is fine
+
+
+def test_a_run_that_touches_the_controllers_state_is_a_crash_and_the_state_is_restored(fake_repo, plan):
+    """Old: from its working directory an edit could append rows to the ledger, rewrite run records, and plant
+    a hook the controller itself would run at its next commit. Now each is a crash row naming what was touched,
+    and it is put back as it was."""
+    repo = fake_repo(fakes.ok(1.0))
+    hook = repo / ".git" / "hooks" / "post-commit"
+    attack = (f"from pathlib import Path\n"
+              f"open('../../results.tsv', 'a').write('abcdef0\\t0.100000\\t0.0\\t0.00\\tkeep\\tforged\\n')\n"
+              f"Path('../../runs/1/record.json').write_text('{{}}')\n"
+              f"Path({str(hook)!r}).write_text('#!/bin/sh\\ntouch {repo}/pwned\\n')\n"
+              f"Path({str(hook)!r}).chmod(0o755)\n")
+    plan([{"description": "attack", "train": attack + fakes.ok(0.5)},
+          {"description": "honest", "train": fakes.ok(0.9)}])
+    proc = autoloop(repo, "--tag", "s", "--max-experiments", "3", "--proposer", "fakes:Scripted")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = read_rows(Paths(repo, "s").ledger)
+    assert [(r.description.split(" [")[0], r.status) for r in rows] == [("baseline", "keep"), ("attack", "crash"),
+                                                                        ("honest", "keep")]
+    assert "the run touched what it may not (restored)" in rows[1].description
+    assert ".autoloop/s/results.tsv" in rows[1].description and "record.json" in rows[1].description
+    assert not hook.exists() and not (repo / "pwned").exists()
+    assert read_record(Paths(repo, "s").run_dir(1)).description == "baseline"
+
+
+needs_bwrap = pytest.mark.skipif(__import__("orchestrator.confine", fromlist=["x"]).sandbox_problem() != "",
+                                 reason="bubblewrap cannot run here (.ci/run installs it)")
+
+
+@needs_bwrap
+@pytest.mark.parametrize("sandbox", ["on", "off"])
+def test_the_sandbox_refuses_writes_outside_the_run_and_the_network(fake_repo, plan, tmp_path, sandbox):
+    import socket
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(5)
+    port = server.getsockname()[1]
+    threading.Thread(target=lambda: [server.accept()[0].close() for _ in range(5)], daemon=True).start()
+    outside = tmp_path / "outside.txt"
+    writes = f"open({str(outside)!r}, 'w').write('escaped')\n"
+    connects = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), 5).close()\n"
+    inside = "open('scratch.txt', 'w').write('fine')\nimport os, tempfile\ntempfile.mkstemp()\n"
+    plan([{"description": "writes outside", "train": writes + fakes.ok(0.9)},
+          {"description": "connects", "train": connects + fakes.ok(0.8)},
+          {"description": "writes inside", "train": inside + fakes.ok(0.7)}])
+    proc = autoloop(repo := fake_repo(fakes.ok(1.0)), "--tag", "x", "--max-experiments", "4", "--sandbox", sandbox,
+                    "--proposer", "fakes:Scripted")
+    server.close()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = read_rows(Paths(repo, "x").ledger)
+    statuses = [r.status for r in rows]
+    if sandbox == "off":
+        assert statuses == ["keep"] * 4 and outside.read_text() == "escaped"
+        return
+    assert statuses == ["keep", "crash", "crash", "keep"], rows
+    assert not outside.exists()
+    assert "the sandbox refused a write outside the run's directory" in rows[1].description
+    assert "Read-only file system" in rows[1].description
+    assert "Network is unreachable" in rows[2].description or "refused" in rows[2].description
+
+
+@needs_bwrap
+@pytest.mark.timeout(400)
+def test_a_tiny_session_runs_the_same_in_the_sandbox(tiny_env, tmp_path):
+    """The real train.py and harness (tiny profile, CPU) in the sandbox: the same experiments and results."""
+    from conftest import ROOT, make_repo
+
+    results = {}
+    for sandbox in ("on", "off"):
+        repo = tmp_path / sandbox
+        make_repo(repo, {name: (ROOT / name).read_text() for name in ("train.py", "prepare.py", ".gitignore")})
+        env = dict(tiny_env, **{k: v for k, v in subprocess_env().items() if k == "PYTHONPATH"})
+        proc = autoloop(repo, "--tag", "t", "--budget", "2", "--max-experiments", "3", "--baseline-repeats", "0",
+                        "--sandbox", sandbox, "--proposer", "perturb", "--gate", "strict", env=env, timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert ("unconfined" in proc.stdout) is False
+        results[sandbox] = read_rows(Paths(repo, "t").ledger)
+    on, off = results["on"], results["off"]
+    ideas = [[r.description.split(" (repeat")[0] for r in rows] for rows in (on, off)]
+    assert ideas[0][:2] == ideas[1][:2], ideas  # the same ideas (seeded; a run slowed by load may be run again)
+    crashed = [{r.description.split(" [")[0] for r in rows if r.status == "crash"} for rows in (on, off)]
+    assert crashed[0] == crashed[1], (on, off)  # an idea's own crash, on both sides
+    assert not any("sandbox" in r.description for r in on)
+    assert abs(on[0].val_bpb - off[0].val_bpb) < 0.25 * off[0].val_bpb  # the same training, up to timing noise

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from ..confine import sandbox_problem, sandboxed
 from ..gpu import smi
 from ..runner import LOG_CAP_BYTES, run_command
 
@@ -44,6 +45,7 @@ class Job:
     on_start: Callable[[int], None] | None = None  # the pid of each step's process (executors on this machine)
     log_cap: int = LOG_CAP_BYTES  # bytes a step's log keeps at most (its head and its tail)
     step_stdin: list[str | None] = field(default_factory=list)  # per step: what it reads on stdin (None: nothing)
+    sandbox: dict | None = None  # {"net": bool, "required": bool}: steps confined by bubblewrap (confine.py)
 
 
 @dataclass
@@ -155,6 +157,14 @@ def run_steps(job: Job, workdir: Path, out: Path, slot_env: dict[str, str],
     scratch = [Path(env[k]) for k in SCRATCH_DIRS if k in env and str(OUT) in job.env.get(k, "")]
     for path in scratch:
         path.mkdir(parents=True, exist_ok=True)
+    confined = None
+    if job.sandbox is not None:
+        if problem := sandbox_problem():
+            if job.sandbox.get("required"):
+                return JobResult(device=gpu_name(env.get("CUDA_VISIBLE_DEVICES")), node=socket.gethostname(),
+                                 infra_error=f"--sandbox on, but {problem} on {socket.gethostname()}")
+        else:  # only the run's own directory, its worktree and the session's compile cache are writable
+            confined = [str(p) for p in {out.resolve(), Path(workdir).resolve(), *(p.resolve() for p in scratch)}]
     result = JobResult(device=gpu_name(env.get("CUDA_VISIBLE_DEVICES")), node=socket.gethostname())
     before = {name: sha256_of(workdir / name) for name in job.watch}
     first_start = None
@@ -167,7 +177,10 @@ def run_steps(job: Job, workdir: Path, out: Path, slot_env: dict[str, str],
                 step_env.pop(key, None)
             else:
                 step_env[key] = substitute(value, out, sys.executable)
-        run = run_command([substitute(a, out, sys.executable) for a in cmd], workdir, step_env, out / log,
+        argv = [substitute(a, out, sys.executable) for a in cmd]
+        if confined is not None:
+            argv = sandboxed(argv, confined, bool(job.sandbox.get("net")))
+        run = run_command(argv, workdir, step_env, out / log,
                           job.timeout_s, on_start=job.on_start, cancel=cancel, log_cap=job.log_cap,
                           stdin_text=job.step_stdin[i] if i < len(job.step_stdin) else None)
         result.steps.append(StepResult(run.exit_code, run.timed_out, run.wall_s, out / log))

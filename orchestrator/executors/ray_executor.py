@@ -99,7 +99,7 @@ def _node_job(spec: dict, files: dict[str, bytes], inputs: dict[str, bytes], sta
             return {"infra_error": error, "outputs": {"prepare.log": (out / "prepare.log").read_bytes()}}
         job = Job(steps=spec["steps"], logs=spec["logs"], env=env, timeout_s=spec["timeout_s"],
                   workdir=src, out_dir=out, watch=tuple(spec["watch"]), step_env=spec["step_env"],
-                  log_cap=spec["log_cap"], step_stdin=spec["step_stdin"])
+                  log_cap=spec["log_cap"], step_stdin=spec["step_stdin"], sandbox=spec["sandbox"])
         result = run_steps(job, src, out, {})
         return {"steps": [(s.exit_code, s.timed_out, s.wall_s, s.log.name) for s in result.steps],
                 "modified": result.modified, "ages": result.ages, "device": result.device, "node": result.node,
@@ -266,7 +266,7 @@ class RayExecutor(Executor):
         key = uuid.uuid4().hex
         spec = {"steps": job.steps, "logs": job.logs, "env": env, "timeout_s": job.timeout_s, "key": key,
                 "watch": list(job.watch), "step_env": job.step_env, "prepare": self.prepare, "log_cap": job.log_cap,
-                "step_stdin": job.step_stdin}
+                "step_stdin": job.step_stdin, "sandbox": job.sandbox}
         inputs = {name: Path(path).read_bytes() for name, path in job.inputs.items()}
         options = {"num_gpus": self.gpus_per_task, "num_cpus": self.cpus_per_task}
         ref = self._task.options(**options).remote(spec, tracked_files(job.workdir), inputs, self.starts)
