@@ -8,6 +8,8 @@ per hour with N times the single slot's.
     python benchmarks/loop_overhead.py --budget 30 --experiments 6
     python benchmarks/loop_overhead.py --budget 30 --experiments 6 --propose-seconds 20 --no-pipeline
     python benchmarks/loop_overhead.py --budget 10 --experiments 6 --workers 4
+    python benchmarks/loop_overhead.py --budget 5 --experiments 6 --confinement   # the sandbox's and the
+                                                                # protected-state check's cost per experiment
 """
 
 from __future__ import annotations
@@ -60,8 +62,10 @@ print("mfu_percent:      0.00")
 '''
 
 
-def session(args, workers: int, experiments: int) -> tuple[float, list]:
-    """One session on a fresh repo holding the fake train.py; (wall seconds, run records)."""
+def session(args, workers: int, experiments: int, sandbox: str = "off", fingerprint: list | None = None
+            ) -> tuple[float, list]:
+    """One session on a fresh repo holding the fake train.py; (wall seconds, run records). `fingerprint`, if
+    given, gets the seconds one protected-state snapshot and check take on the finished session."""
     with tempfile.TemporaryDirectory() as tmp:
         repo = Path(tmp) / "repo"
         repo.mkdir()
@@ -71,10 +75,17 @@ def session(args, workers: int, experiments: int) -> tuple[float, list]:
             subprocess.run(cmd, cwd=repo, check=True)
         settings = Settings(repo=repo, tag="bench", budget=args.budget, max_experiments=experiments,
                             proposer="__main__:SlowProposer", pipeline=args.pipeline, baseline_repeats=0,
-                            workers=workers, executor_options={"gpus": []})
+                            workers=workers, executor_options={"gpus": []}, sandbox=sandbox)
         t0 = time.monotonic()
-        run_loop(settings, echo=lambda line: None)
+        state = run_loop(settings, echo=lambda line: None)
         wall = time.monotonic() - t0
+        if fingerprint is not None:
+            from orchestrator.workspace import Workspace
+            ws = Workspace(settings, lambda line: None)
+            t = time.perf_counter()
+            for _ in range(20):
+                ws.touched(ws.protected(state))
+            fingerprint.append((time.perf_counter() - t) / 20)
         return wall, [read_record(Paths(repo, "bench").run_dir(n)) for n in range(1, experiments + 1)]
 
 
@@ -85,6 +96,9 @@ def main() -> None:
     ap.add_argument("--propose-seconds", type=float, default=0.0, help="seconds the proposer takes per idea")
     ap.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=True,
                     help="prepare the next idea while one trains (matters with --propose-seconds)")
+    ap.add_argument("--confinement", action="store_true",
+                    help="also measure the cost of the sandbox (a session with --sandbox on against off) and of "
+                         "the protected-state check, per experiment")
     ap.add_argument("--workers", type=int, default=1,
                     help="also run this many slots at once (workers x experiments) and compare throughput")
     args = ap.parse_args()
@@ -104,6 +118,21 @@ def main() -> None:
     print(f"duty cycle:                   {100 * sum(train) / wall:.2f}% of wall time with a training process")
     single = 3600 * len(records) / wall
     print(f"experiments per hour:         {single:.1f} (1 slot)")
+    if args.confinement:
+        from orchestrator.confine import sandbox_problem
+
+        if problem := sandbox_problem():
+            print(f"confinement:                  not measured: {problem}")
+        else:
+            cost = []
+            for sandbox in ("off", "on"):
+                wall_s, recs = session(args, 1, args.experiments, sandbox, cost)
+                cost.append(statistics.median(r.timings.get("train", 0.0) for r in recs))
+                cost.append(wall_s / len(recs))
+            print(f"sandbox:                      +{cost[4] - cost[1]:.3f}s per train step (median "
+                  f"{cost[4]:.3f}s on, {cost[1]:.3f}s off); +{cost[5] - cost[2]:.3f}s per experiment of wall time")
+            print(f"protected-state check:        {cost[3]:.4f}s per run ({args.experiments} records; snapshot "
+                  "before the generation and check after each run)")
     if args.workers > 1:
         n = args.workers * args.experiments
         wall_n, records_n = session(args, args.workers, n)

@@ -329,7 +329,7 @@ def progress_text(ws, state: State, runs: list[Run]) -> str:
     if state.best_bpb is not None:
         parts.append(f"best {state.best_bpb:.6f}")
     finished = [r for r in state.records if r.ended]
-    per_run = statistics.fmean(r.ended - r.started for r in finished[-10:]) if finished else s.hard_timeout
+    per_run = statistics.fmean(r.ended - r.started for r in finished[-10:]) if finished else s.budget + 30.0
     elapsed = max((time.monotonic() - r.started for r in running), default=0.0)
     etas = []
     if s.max_experiments is not None:
