@@ -70,7 +70,7 @@ def read_evaluation(output: str, split: str = "val", failed: str = "no output") 
 
 
 CLOCK_SLACK = 0.05  # share of the budget a run may train beyond it (one slow last step), by the controller's clock
-STARTUP_SLACK = 0.2  # share of the baseline's start-up a run may take beyond it (a bigger model compiles longer)
+STARTUP_SLACK = 0.35  # share of the baseline's start-up a run may take beyond it (a bigger model compiles longer)
 
 
 def clock_limit(budget: float, learned: float) -> float:
@@ -83,7 +83,8 @@ def audit_clock(metrics: dict, budget: float, seconds_to_artifact: float | None,
     """'' if the run kept to its budget, else why not. The controller's clock decides, not train.py's report:
     once the session's baseline has run, the train step's wall time less the start-up the baseline needed
     (`learned`: its wall time beyond the budget) must stay within the budget plus 5% and a small margin
-    (so a run that trains 1.3x the budget is refused at --budget 60 and at --budget 300). Before that, the
+    (so a run that trains 1.3x the budget is refused at --budget 60 while the start-up is under ~40 s, and at
+    --budget 300 under ~200 s). Before that, the
     model must be ready within the budget plus `startup_s` (or half the budget, if more)."""
     reported = metrics.get("training_seconds")
     if isinstance(reported, (int, float)) and reported > budget * 1.25 + 5.0:  # one slow last step is fine

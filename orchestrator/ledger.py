@@ -119,8 +119,8 @@ def read_rows(path: Path) -> list[Row]:
             why = "it is not UTF-8" if isinstance(e, UnicodeDecodeError) else \
                 "it does not have 6 tab-separated columns" if "unpack" in str(e) else str(e)
             raise LoopError(f"{path} line {number} cannot be read ({why}): {raw[:80].decode(errors='replace')!r}. "
-                            "Repair the line by hand (its record is runs/<n>/record.json, n = line - 1), or "
-                            "restore the file") from None
+                            "Repair the line by hand (each row's record is runs/<n>/record.json, n its row number), "
+                            "or restore the file") from None
     return rows
 
 

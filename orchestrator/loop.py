@@ -28,7 +28,7 @@ from .proposers import Context, load
 from .session import Lock, write_status
 from .settings import Settings
 from .spend import Spend
-from .state import Cause, State, Status
+from .state import Cause, State, Status, group_of
 from .trial import Run, run_generation
 from .workspace import SessionChanged, Workspace
 
@@ -213,8 +213,11 @@ def check_health(ws: Workspace, state: State, runs: list[Run]) -> None:
         where = " on every slot" if len(runs) > 1 else ""
         raise LoopError(f"the unmodified baseline crashed{where} ({first.reason}); fix train.py or the "
                         f"environment, see {ws.paths.run_dir(first.n) / 'run.log'}")
+    best_runs = [r for r in state.records if group_of(r) == state.best_group and r.n != state.best_run]
     for run in runs:
-        if run.kind == "parent" and run.crash:
+        again = best_runs[-2:]
+        if run.kind == "parent" and run.crash and (run.crash.cause == Cause.ENVIRONMENT or len(again) == 2 and all(
+                r.status == Status.CRASH for r in again)):
             raise LoopError(f"experiment {run.record.n}, a run of the unchanged best that ran before, crashed "
                             f"({run.record.reason}): the environment is failing, not an idea. Fix it (see "
                             f"{ws.paths.run_dir(run.record.n) / 'run.log'}), then run the same command to resume")

@@ -48,6 +48,9 @@ def facts(paths: Paths) -> dict:
     train_s = sum(r.timings.get("train", 0.0) for r in records.values() if r)
     spend = Spend(paths.spend)  # every request, whether its idea ran or not
     tokens, cost = spend.tokens, spend.cost
+    if not paths.spend.exists():  # a session from before the spend ledger: what its records carry
+        tokens = sum(int(r.info.get("usage", {}).get("total_tokens", 0)) for r in records.values() if r)
+        cost = sum(float(r.info.get("usage", {}).get("cost", 0.0)) for r in records.values() if r)
     holdout_path = paths.state / "holdout.json"
     return {
         "tag": paths.tag,

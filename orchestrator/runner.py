@@ -67,10 +67,11 @@ class CappedLog:
 
 def _pump(fd: int, log: CappedLog) -> None:
     """Copy the process's output into its log until every writer has closed the pipe."""
+    poller = select.poll()  # not select(): a descriptor above 1024 is fine
+    poller.register(fd, select.POLLIN | select.POLLHUP)
     try:
         while True:
-            ready, _, _ = select.select([fd], [], [], FLUSH_S)
-            if ready:
+            if poller.poll(FLUSH_S * 1000):
                 data = os.read(fd, 1 << 16)
                 if not data:
                     break

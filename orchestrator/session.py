@@ -117,14 +117,16 @@ def is_locked(path: Path) -> bool:
 
 
 _STATUS_LOCK = threading.Lock()
-_STATUS: dict[Path, dict] = {}  # what this process wrote: the file is rewritten from it, never read back (a run
-#                                 that edits status.json cannot plant pids for a resume to kill)
+_STATUS: dict[Path, dict] = {}  # what this process wrote: the file is rewritten from it, not read back (what a
+#                                 run writes into status.json is gone at the next write)
 
 
 def write_status(paths: Paths, **fields) -> None:
     """Record where the loop stands (phase, experiment, pids) for `autoloop status` and for resume."""
     with _STATUS_LOCK:  # executor threads report pids while the loop writes its phase
-        data = _STATUS.setdefault(paths.status, {})
+        if paths.status not in _STATUS:  # this process's first write: carry on from what is there
+            _STATUS[paths.status] = read_status(paths)
+        data = _STATUS[paths.status]
         data.update(fields, updated=time.time())
         write_json_atomic(paths.status, data)
 

@@ -7,6 +7,7 @@ What counts is the harness's measurement of the saved model, never the number tr
 from __future__ import annotations
 
 import secrets
+import site
 import statistics
 import time
 from dataclasses import dataclass
@@ -95,9 +96,15 @@ def build_job(ws, workdir: Path, run_dir: Path) -> Job:
     """The experiment as the executor runs it: train.py, then (with a harness that saves the model) the
     harness's own evaluation of that model in a process of its own; no step may change a tracked file."""
     steps, logs, step_env = [[PYTHON, "train.py"]], ["run.log"], [{}]
-    # a harness that finds its data through AUTOLOOP_CACHE (one with a manifest) lets the run have its own HOME;
-    # another (upstream's keeps it under ~/.cache) keeps the user's
+    # a harness that finds its data through AUTOLOOP_CACHE (one with a manifest) lets the run have its own HOME
+    # (told where the data and the user's site-packages are, as resolved with ours); another (upstream's keeps
+    # its data under ~/.cache) keeps the user's
     env = {**ws.env, **{k: v for k, v in SCRATCH.items() if k != "HOME" or ws.info.manifest is not None}}
+    local_only = ()
+    if "HOME" in env and env["HOME"] == SCRATCH["HOME"]:
+        local_only = tuple(k for k in ("AUTOLOOP_CACHE", "PYTHONUSERBASE") if k not in ws.env)
+        env.setdefault("AUTOLOOP_CACHE", ws.info.cache)
+        env.setdefault("PYTHONUSERBASE", site.getuserbase())
     stdin: list[str | None] = [None]
     if ws.info.artifacts:
         env["AUTOLOOP_EVAL_ARTIFACT"] = f"{OUT}/model.pt"
@@ -109,7 +116,7 @@ def build_job(ws, workdir: Path, run_dir: Path) -> Job:
     watch = tuple(name for name in gitops.Repo(workdir).git.ls_files("-z").split("\0") if name)
     return Job(steps=steps, logs=logs, env=env, timeout_s=ws.settings.hard_timeout, workdir=workdir,
                out_dir=run_dir, watch=watch, step_env=step_env, log_cap=int(ws.settings.max_log_mb * (1 << 20)),
-               step_stdin=stdin, sandbox=ws.sandbox)
+               step_stdin=stdin, sandbox=ws.sandbox, local_only=local_only)
 
 
 def submit(ws, executor: Executor, job: Job, slot: Slot, record: Record) -> Handle:

@@ -85,8 +85,7 @@ class Workspace:
         slot_env = {**self.env, **executor.slots[0].env}  # as a run will see it
         self.info = harness.query(self.paths.worktree, slot_env, torch=gpu_check.needs_torch)
         gpu_check.finish(self.info.torch)  # LoopError: GPUs torch cannot use, or the gpu profile without CUDA
-        for key, value in (("AUTOLOOP_PROFILE", self.info.profile), ("AUTOLOOP_DATASET", self.info.dataset),
-                           ("AUTOLOOP_CACHE", self.info.cache)):  # the cache too: a run has a HOME of its own
+        for key, value in (("AUTOLOOP_PROFILE", self.info.profile), ("AUTOLOOP_DATASET", self.info.dataset)):
             if value and not self.env.get(key):
                 self.env[key] = value  # one harness size and corpus for every slot, as the query found them
         pinned = self.paths.worktree / "prepare.py"
@@ -158,6 +157,7 @@ class Workspace:
     def resume(self) -> State:
         """Rebuild the state from the records; set half-finished experiments aside; put the branch at the best.
         SessionChanged if the session was started with other settings, data or train.py."""
+        kill_orphan(read_status(self.paths))  # first: whatever follows, nothing of a killed controller runs on
         session = self.paths.session
         if session.exists():
             pinned = json.loads(session.read_text())
@@ -177,7 +177,6 @@ class Workspace:
                                         "prepare_sha256": self.prepare_sha, "manifest_digest": self.manifest_digest,
                                         "pin": self.pin(), "env": env,
                                         "artifacts": bool(self.info and self.info.artifacts), "created": time.time()})
-        kill_orphan(read_status(self.paths))
         state = replay(load_records(self.paths), start_commit)
         if not self.paths.spend.exists():  # a session from before the spend ledger: what its records carry
             tokens, cost = state.usage()
@@ -215,13 +214,16 @@ class Workspace:
 
     def touched(self, before: dict[Path, bytes | None]) -> list[str]:
         """What a run changed of `before` (protected()), each put back as it was; new hooks removed. The queue may
-        grow (`autoloop queue add` while a loop runs), never change."""
+        be created or grow (`autoloop queue add` while a loop runs), never change. In the sandbox runs cannot
+        write any of it: the check is skipped there (only you or your tools could have changed it)."""
+        if self.sandbox is not None:
+            return []
         hooks = Path(self.repo.common_dir) / "hooks"
         now = {p: _read(p) for p in [*before, *(hooks.iterdir() if hooks.is_dir() else ())]}
         changed = []
         for path, data in now.items():
             old = before.get(path)
-            if data == old or path == self.paths.queue and old is not None and data and data.startswith(old):
+            if data == old or path == self.paths.queue and data is not None and data.startswith(old or b""):
                 continue
             changed.append(str(path.relative_to(self.settings.repo)) if path.is_relative_to(self.settings.repo)
                            else str(path))
@@ -306,9 +308,10 @@ def kill_orphan(status: dict) -> None:
         pid = int(pid)
         try:
             proc = psutil.Process(pid)
-            if abs(proc.create_time() - created) < 2.0:
-                kill_tree(pid, pid)
-                continue
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                if abs(proc.create_time() - created) < 2.0:
+                    kill_tree(pid, pid)
+                continue  # alive, or the pid is another process's now: a session with its id is not ours
         except psutil.Error:
             pass
         # the run's first process is gone, but its session may still hold one (e.g. a worker that ignored the

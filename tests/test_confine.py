@@ -25,10 +25,15 @@ def autoloop(repo, *args, env=None, timeout=180):
 PRINTS_ENV = 'import os, sys\nprint("ENV", sorted(os.environ.items()))\nprint("TMPDIR", os.environ.get("TMPDIR"))\n'
 
 
-def test_a_run_that_prints_the_environment_sees_no_secret(fake_repo):
+@pytest.mark.parametrize("sandbox", ["on", "off"])
+def test_a_run_that_prints_the_environment_sees_no_secret(fake_repo, sandbox):
     """Old: every step got the controller's whole environment (API keys, tokens, cloud credentials)."""
+    from orchestrator.confine import sandbox_problem
+
+    if sandbox == "on" and sandbox_problem():
+        pytest.skip(sandbox_problem())
     repo = fake_repo(PRINTS_ENV + fakes.ok(1.0))
-    proc = autoloop(repo, "--tag", "e", "--max-experiments", "1", "--pass-env", "MY_SETTING",
+    proc = autoloop(repo, "--tag", "e", "--max-experiments", "1", "--pass-env", "MY_SETTING", "--sandbox", sandbox,
                     env=subprocess_env(**SECRETS, MY_SETTING="passed-on-purpose"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     log = (Paths(repo, "e").run_dir(1) / "run.log").read_text()
@@ -123,6 +128,7 @@ def test_the_metric_cannot_be_set_by_the_edit(tiny_env, tmp_path, monkeypatch):
     settings["gate"] = Gate("strict")
     run_loop(Settings(**settings, max_experiments=3), echo=lambda line: None)
     run_loop(Settings(**settings), echo=lambda line: None)  # a resume after the first forgeries
+    run_loop(Settings(**settings), echo=lambda line: None)  # and one after the malformed result
     records = [read_record(Paths(repo, "m").run_dir(n)) for n in range(1, 6)]
     baseline, printed, early, dumps, malformed = records
     for record in (baseline, printed, dumps):
@@ -141,7 +147,7 @@ def test_the_clock_is_the_controllers():
 
     honest = {"training_seconds": 1.0, "num_steps": 10}  # what an under-reporting edit prints
     for budget in (60.0, 300.0):
-        for startup in (5.0, 30.0, 60.0):  # the baseline's start-up (imports, data, compilation)
+        for startup in (5.0, 20.0, 38.0) if budget == 60 else (5.0, 60.0, 200.0):  # imports, data, compilation
             assert audit_clock(honest, budget, None, wall_s=startup + budget * 1.02, learned=startup) == ""
             why = audit_clock(honest, budget, None, wall_s=startup + budget * 1.3, learned=startup)
             assert why.startswith("budget exceeded: train.py ran"), (budget, startup)
@@ -177,7 +183,7 @@ def test_a_run_that_changes_the_prepared_data_is_a_crash_and_the_data_is_prepare
     repo = tmp_path / "proj"
     make_repo(repo, {name: (ROOT / name).read_text() for name in ("train.py", "prepare.py", ".gitignore")})
     settings = dict(repo=repo, tag="d", budget=1.0, proposer="fakes:Scripted", baseline_repeats=0,
-                    startup_allowance=15.0, gate=Gate("strict"))
+                    startup_allowance=15.0, gate=Gate("strict"), sandbox="off")  # the sandbox would refuse it
     plan = tmp_path / "plan.json"
     monkeypatch.setenv("AUTOLOOP_TEST_PLAN", str(plan))
     fakes.write_plan(plan, [])
@@ -197,8 +203,8 @@ def test_a_run_that_changes_the_prepared_data_is_a_crash_and_the_data_is_prepare
 
 def test_a_run_that_touches_the_controllers_state_is_a_crash_and_the_state_is_restored(fake_repo, plan):
     """Old: from its working directory an edit could append rows to the ledger, rewrite run records, and plant
-    a hook the controller itself would run at its next commit. Now each is a crash row naming what was touched,
-    and it is put back as it was."""
+    a hook the controller itself would run at its next commit. Now, unconfined (the sandbox refuses the writes),
+    each is a crash row naming what was touched, and it is put back as it was."""
     repo = fake_repo(fakes.ok(1.0))
     hook = repo / ".git" / "hooks" / "post-commit"
     attack = (f"from pathlib import Path\n"
@@ -208,7 +214,7 @@ def test_a_run_that_touches_the_controllers_state_is_a_crash_and_the_state_is_re
               f"Path({str(hook)!r}).chmod(0o755)\n")
     plan([{"description": "attack", "train": attack + fakes.ok(0.5)},
           {"description": "honest", "train": fakes.ok(0.9)}])
-    proc = autoloop(repo, "--tag", "s", "--max-experiments", "3", "--proposer", "fakes:Scripted")
+    proc = autoloop(repo, "--tag", "s", "--max-experiments", "3", "--proposer", "fakes:Scripted", "--sandbox", "off")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = read_rows(Paths(repo, "s").ledger)
     assert [(r.description.split(" [")[0], r.status) for r in rows] == [("baseline", "keep"), ("attack", "crash"),
@@ -233,7 +239,14 @@ def test_the_sandbox_refuses_writes_outside_the_run_and_the_network(fake_repo, p
     server.bind(("127.0.0.1", 0))
     server.listen(5)
     port = server.getsockname()[1]
-    threading.Thread(target=lambda: [server.accept()[0].close() for _ in range(5)], daemon=True).start()
+    def serve():
+        try:
+            while True:
+                server.accept()[0].close()
+        except OSError:  # closed at the end of the test
+            pass
+
+    threading.Thread(target=serve, daemon=True).start()
     outside = tmp_path / "outside.txt"
     writes = f"open({str(outside)!r}, 'w').write('escaped')\n"
     connects = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), 5).close()\n"

@@ -255,8 +255,8 @@ def test_two_sessions_sharing_a_queue_never_run_the_same_idea(fake_repo):
         added = subprocess.run([sys.executable, "-m", "orchestrator.cli", "queue", "add", *args, "--repo", str(repo)],
                                capture_output=True, text=True, env=subprocess_env())
         assert added.returncode == 0, added.stderr
-    cmd = [sys.executable, "-m", "orchestrator.cli", "run", "--repo", str(repo), "--budget", "1", "--timeout", "60",
-           "--proposer", "queue", "--max-experiments", "2"]
+    cmd = [sys.executable, "-m", "orchestrator.cli", "run", "--repo", str(repo), "--budget", "6", "--timeout", "60",
+           "--proposer", "queue", "--max-experiments", "2"]  # a budget the slow idea keeps to
     first = subprocess.Popen([*cmd, "--tag", "a"], env=subprocess_env(), stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 60

@@ -19,7 +19,7 @@ from orchestrator.session import Paths
 
 
 def start(repo, plan_path, *extra):
-    cmd = [sys.executable, "-m", "orchestrator.cli", "run", "--repo", str(repo), "--tag", "k", "--budget", "1",
+    cmd = [sys.executable, "-m", "orchestrator.cli", "run", "--repo", str(repo), "--tag", "k", "--budget", "6",
            "--timeout", "30", "--proposer", "fakes:Scripted", "--max-experiments", "6", "--baseline-repeats", "0",
            *extra]
     return subprocess.Popen(cmd, env=subprocess_env(AUTOLOOP_TEST_PLAN=str(plan_path)),

@@ -46,6 +46,7 @@ class Job:
     log_cap: int = LOG_CAP_BYTES  # bytes a step's log keeps at most (its head and its tail)
     step_stdin: list[str | None] = field(default_factory=list)  # per step: what it reads on stdin (None: nothing)
     sandbox: dict | None = None  # {"net": bool, "required": bool}: steps confined by bubblewrap (confine.py)
+    local_only: tuple[str, ...] = ()  # env values true of this machine only (another node resolves its own)
 
 
 @dataclass

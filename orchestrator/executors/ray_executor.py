@@ -27,7 +27,7 @@ from pathlib import Path
 import click
 
 from ..confine import allowed_env
-from .base import Executor, Handle, Job, JobResult, Slot, StepResult, run_steps
+from .base import OUT, SCRATCH_DIRS, Executor, Handle, Job, JobResult, Slot, StepResult, run_steps
 
 SHIPPED_ENV = ("PYTHONUNBUFFERED", "OMP_NUM_THREADS")  # besides every AUTOLOOP_* variable
 PREPARE_TIMEOUT_S = 3600.0
@@ -261,7 +261,11 @@ class RayExecutor(Executor):
         return [Slot(i, {}, "ray") for i in range(self._workers or self._live)]
 
     def submit(self, job: Job, slot: Slot) -> Handle:
-        env = {k: v for k, v in job.env.items() if k.startswith("AUTOLOOP_") or k in SHIPPED_ENV}
+        env = {k: v for k, v in job.env.items()
+               if (k.startswith("AUTOLOOP_") or k in SHIPPED_ENV) and k not in job.local_only}
+        # the run's own TMPDIR and kernel caches, in its scratch directory on the node (HOME stays the node's)
+        env.update({k: v.replace("/../../cache/", "/cache/") for k, v in job.env.items()
+                    if k in SCRATCH_DIRS and k != "HOME" and OUT in v})
         env.update({k: v for k, v in slot.env.items() if k != "CUDA_VISIBLE_DEVICES"})
         key = uuid.uuid4().hex
         spec = {"steps": job.steps, "logs": job.logs, "env": env, "timeout_s": job.timeout_s, "key": key,

@@ -101,8 +101,8 @@ class SearchProposer(Proposer):
         stats = {name: Stats(p.kind) for name, p in space.items()}
         tried = set()
         for rec, cfg, parent in self.configs.moves(history):
-            if rec.cause == "environment":
-                continue  # the machine failed, not this configuration: nothing learned, and it may be tried again
+            if rec.cause == "environment" or rec.gate.get("disturbed"):
+                continue  # the machine failed or slowed it, not this configuration: nothing learned, may try again
             tried.add(config_key(cfg))
             if rec.status not in ("keep", "discard", "crash"):
                 continue  # still training (pipelined): tried, but no result to learn from yet
