@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
 from pathlib import Path
 
 import git
@@ -20,6 +21,25 @@ ISOLATED = {"commit.gpgsign": "false", "tag.gpgsign": "false", "core.hooksPath":
 ISOLATED_ENV = {"GIT_TERMINAL_PROMPT": "0", "GIT_CONFIG_COUNT": str(len(ISOLATED)),
                 **{f"GIT_CONFIG_KEY_{i}": k for i, k in enumerate(ISOLATED)},
                 **{f"GIT_CONFIG_VALUE_{i}": v for i, v in enumerate(ISOLATED.values())}}
+
+
+class _DaemonTimer(threading.Timer):
+    """gitpython's deadline watchdog, as a daemon: when Ctrl-C interrupts a git command, gitpython never cancels
+    its timer, and a non-daemon one would hold the exiting controller for the whole deadline."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.daemon = True
+
+
+class _Threading:
+    Timer = _DaemonTimer
+
+    def __getattr__(self, name):
+        return getattr(threading, name)
+
+
+git.cmd.threading = _Threading()  # the module gitpython's execute() takes its Timer from
 
 
 class _Git(git.Git):

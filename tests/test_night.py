@@ -367,3 +367,19 @@ def test_resume_ends_a_killed_runs_worker_whose_parent_is_gone(tmp_path):
     while worker.is_running() and worker.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE
+
+
+def test_ctrl_c_during_a_git_command_exits_at_once(fake_repo):
+    """Found by a stop test under load: Ctrl-C in the middle of a git command left gitpython's deadline timer
+    running (it never cancels it), and the exiting controller waited for it: 120 s."""
+    repo = fake_repo(fakes.ok(1.0))
+    code = (f"import sys\nfrom orchestrator import gitops\nr = gitops.open_repo(__import__('pathlib').Path({str(repo)!r}))\n"
+            "print('started', flush=True)\ntry:\n    r.git.execute(['git', '-c', 'alias.stuck=!sleep 30', 'stuck'])\n"
+            "except KeyboardInterrupt:\n    print('interrupted', flush=True)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=subprocess_env())
+    assert proc.stdout.readline().strip() == "started"
+    time.sleep(1.0)
+    started = time.monotonic()
+    proc.send_signal(__import__("signal").SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert "interrupted" in out and time.monotonic() - started < 10

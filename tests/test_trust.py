@@ -118,5 +118,5 @@ def test_held_out_check_at_the_end_of_a_session(tiny_env, tmp_path, monkeypatch)
                           capture_output=True, text=True, env=subprocess_env(), timeout=300)
     assert proc.returncode == 0 and "held-out check: baseline" in proc.stderr, proc.stderr
     again = __import__("json").loads(proc.stdout)["holdout"]
-    assert again["best"]["holdout_bpb"] == holdout["best"]["holdout_bpb"]
-    assert again["baseline"]["holdout_bpb"] == holdout["baseline"]["holdout_bpb"]
+    for name in ("best", "baseline"):  # the same number, up to the order of float sums (MKL threads under load)
+        assert abs(again[name]["holdout_bpb"] - holdout[name]["holdout_bpb"]) < 1e-6 * holdout[name]["holdout_bpb"]
