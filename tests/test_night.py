@@ -383,3 +383,15 @@ def test_ctrl_c_during_a_git_command_exits_at_once(fake_repo):
     proc.send_signal(__import__("signal").SIGINT)
     out, _ = proc.communicate(timeout=60)
     assert "interrupted" in out and time.monotonic() - started < 10
+
+
+def test_upstreams_fixed_300_s_budget_with_budget_10(fake_repo):
+    """The case as reported: upstream's prepare.py fixes 300 s; `--budget 10` set the hard timeout to 140 s,
+    which would kill every 300 s run. Now the timeout is 2 x 300 + 120, and a run reporting its 300 s passes."""
+    train = fakes.ok(1.0).replace('print("training_seconds: 0.1")', 'print("training_seconds: 300.0")')
+    repo = fake_repo(train, {"prepare.py": "TIME_BUDGET = 300\n"})
+    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", "--repo", str(repo), "--tag", "u",
+                           "--budget", "10", "--max-experiments", "1"], capture_output=True, text=True,
+                          env=subprocess_env(), timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "budget 300s | timeout 720s" in proc.stdout and rows(repo, "u")[0].status == "keep"
