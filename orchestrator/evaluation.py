@@ -43,12 +43,6 @@ def read_result(path: Path, nonce: str, exit_code: int | None, split: str = "val
     return value, result, ""
 
 
-def parse_evaluation(output: str, split: str = "val", failed: str = "no output") -> tuple[float | None, str]:
-    """(bits per byte, '') from the AUTOLOOP_EVAL line `prepare.py --evaluate` prints, or (None, why not)."""
-    value, _, why = read_evaluation(output, split, failed)
-    return value, why
-
-
 def read_evaluation(output: str, split: str = "val", failed: str = "no output") -> tuple[float | None, dict, str]:
     """(bits per byte, the whole AUTOLOOP_EVAL result, '') or (None, {}, why not)."""
     line = next((ln for ln in output.splitlines() if ln.startswith("AUTOLOOP_EVAL ")), None)

@@ -18,9 +18,20 @@ from orchestrator.ledger import read_record, read_rows
 from orchestrator.session import Paths
 
 
+def run(repo, *args, env=None, timeout=120):
+    """`autoloop run --repo REPO ARGS` in a subprocess."""
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", "--repo", str(repo), *args],
+                          capture_output=True, text=True, env=env or subprocess_env(), timeout=timeout)
+
+
 def autoloop(repo, *args, env=None, timeout=120):
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", "--repo", str(repo), "--timeout", "60",
-                           *args], capture_output=True, text=True, env=env or subprocess_env(), timeout=timeout)
+    return run(repo, "--timeout", "60", *args, env=env, timeout=timeout)
+
+
+def fixed_budget_repo(fake_repo, seconds: int):
+    """A repo whose prepare.py fixes the budget (as upstream's does), with a run that reports training that long."""
+    train = fakes.ok(1.0).replace('print("training_seconds: 0.1")', f'print("training_seconds: {seconds:.1f}")')
+    return fake_repo(train, {"prepare.py": f"TIME_BUDGET = {seconds}\n"})
 
 
 def rows(repo, tag):
@@ -82,11 +93,8 @@ def test_a_harness_that_fixes_its_budget_sets_the_timeout_audit_and_pin(fake_rep
     """Old: upstream's prepare.py fixes 300 s; `--budget 10` set the hard timeout from 10 (140 s), so every run
     was killed as a timeout, and the clock audit called a full 300 s run "budget exceeded". Now both follow the
     harness (scaled down here: a harness fixing 20 s, a run reporting 20 s of training, --budget 1)."""
-    train = fakes.ok(1.0).replace('print("training_seconds: 0.1")', 'print("training_seconds: 20.0")')
-    repo = fake_repo(train, {"prepare.py": "TIME_BUDGET = 20\n"})
-    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", "--repo", str(repo), "--tag", "h",
-                           "--budget", "1", "--max-experiments", "1"], capture_output=True, text=True,
-                          env=subprocess_env(), timeout=120)
+    repo = fixed_budget_repo(fake_repo, 20)
+    proc = run(repo, "--tag", "h", "--budget", "1", "--max-experiments", "1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "fixes its own budget (20s); --budget 1 does not reach it, so runs are timed, audited and pinned at 20s" \
         in proc.stdout
@@ -94,9 +102,7 @@ def test_a_harness_that_fixes_its_budget_sets_the_timeout_audit_and_pin(fake_rep
     assert rows(repo, "h")[0].status == "keep"  # not "budget exceeded"
     pinned = json.loads(Paths(repo, "h").session.read_text())["pin"]
     assert pinned["budget"] == 20.0
-    again = subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", "--repo", str(repo), "--tag", "h",
-                            "--budget", "5", "--max-experiments", "2"], capture_output=True, text=True,
-                           env=subprocess_env(), timeout=120)
+    again = run(repo, "--tag", "h", "--budget", "5", "--max-experiments", "2")
     assert again.returncode == 0, again.stderr  # --budget never reached this harness: the session is the same
 
 
@@ -388,10 +394,7 @@ def test_ctrl_c_during_a_git_command_exits_at_once(fake_repo):
 def test_upstreams_fixed_300_s_budget_with_budget_10(fake_repo):
     """The case as reported: upstream's prepare.py fixes 300 s; `--budget 10` set the hard timeout to 140 s,
     which would kill every 300 s run. Now the timeout is 2 x 300 + 120, and a run reporting its 300 s passes."""
-    train = fakes.ok(1.0).replace('print("training_seconds: 0.1")', 'print("training_seconds: 300.0")')
-    repo = fake_repo(train, {"prepare.py": "TIME_BUDGET = 300\n"})
-    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", "--repo", str(repo), "--tag", "u",
-                           "--budget", "10", "--max-experiments", "1"], capture_output=True, text=True,
-                          env=subprocess_env(), timeout=120)
+    repo = fixed_budget_repo(fake_repo, 300)
+    proc = run(repo, "--tag", "u", "--budget", "10", "--max-experiments", "1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "budget 300s | timeout 720s" in proc.stdout and rows(repo, "u")[0].status == "keep"

@@ -20,10 +20,10 @@ ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
 
-@pytest.fixture
-def cluster():
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
-    nodes = [c.add_node(num_cpus=1, num_gpus=1) for _ in range(3)]  # two slots, one spare GPU node
+def gpu_cluster(gpu_nodes: int, **head_args):
+    """A local Ray cluster: a CPU head and `gpu_nodes` one-GPU nodes, joined by this process; (cluster, nodes)."""
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0, **head_args})
+    nodes = [c.add_node(num_cpus=1, num_gpus=1) for _ in range(gpu_nodes)]
     c.wait_for_nodes()
     ray.init(address=c.address, log_to_driver=False)
     try:
@@ -31,6 +31,11 @@ def cluster():
     finally:
         ray.shutdown()
         c.shutdown()
+
+
+@pytest.fixture
+def cluster():
+    yield from gpu_cluster(3)  # two slots, one spare GPU node
 
 
 @pytest.mark.timeout(240)
@@ -71,15 +76,7 @@ def test_node_lost_mid_run_is_retried_not_recorded_as_a_crash(cluster, fake_repo
 def two_gpu_nodes():
     # a lost node is noticed in seconds (health checks every second, 3 missed), not Ray's default 15 s
     fast = {"health_check_period_ms": 1000, "health_check_timeout_ms": 1000, "health_check_failure_threshold": 3}
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0, "_system_config": fast})
-    nodes = [c.add_node(num_cpus=1, num_gpus=1) for _ in range(2)]
-    c.wait_for_nodes()
-    ray.init(address=c.address, log_to_driver=False)
-    try:
-        yield c, nodes
-    finally:
-        ray.shutdown()
-        c.shutdown()
+    yield from gpu_cluster(2, _system_config=fast)
 
 
 @pytest.mark.timeout(90)
