@@ -14,6 +14,7 @@ import math
 import os
 import re
 import resource
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -45,14 +46,15 @@ def per_profile(**values):
 # ---------------------------------------------------------------------------
 
 # Model size
-DEPTH = per_profile(gpu=8, cpu=4, tiny=2)  # transformer layers  [1, 32]
-ASPECT_RATIO = per_profile(gpu=64, cpu=32, tiny=64)  # model width = DEPTH * ASPECT_RATIO, rounded up to HEAD_DIM  [16, 256]
+DEPTH = per_profile(gpu=8, cpu=4, tiny=2)  # transformer layers  [gpu: 2, 24; cpu: 1, 8; tiny: 1, 4]
+ASPECT_RATIO = per_profile(gpu=64, cpu=32, tiny=64)  # model width = DEPTH * ASPECT_RATIO, rounded up to HEAD_DIM  [gpu: 32, 128; cpu: 16, 64; tiny: 16, 96]
 HEAD_DIM = per_profile(gpu=128, cpu=64, tiny=32)  # channels per attention head  {32, 64, 128}
 WINDOW_PATTERN = "auto"  # per-layer attention window, S=half L=full; auto: SSSL with FA3, else L  {auto, L, SL, SSL, SSSL}
 
 # Batch
-DEVICE_BATCH_SIZE = per_profile(gpu=128, cpu=16, tiny=8)  # sequences per forward/backward  [1, 512]
-TOTAL_BATCH_SIZE = per_profile(gpu=2**19, cpu=2**12, tiny=2**9)  # tokens per optimizer step  [2**8, 2**21]
+# Any pair is valid: the accumulation is derived (rounded), and a step never holds fewer sequences than one batch
+DEVICE_BATCH_SIZE = per_profile(gpu=128, cpu=16, tiny=8)  # sequences per forward/backward (speed, memory)  [gpu: 16, 256; cpu: 2, 64; tiny: 1, 32]
+TOTAL_BATCH_SIZE = per_profile(gpu=2**19, cpu=2**12, tiny=2**9)  # tokens per optimizer step, about  [gpu: 2**16, 2**21; cpu: 2**10, 2**15; tiny: 2**7, 2**12]
 
 # Optimization
 MATRIX_LR = 0.04  # Muon learning rate for the transformer's matrices  [0.002, 0.2]
@@ -448,6 +450,13 @@ def make_optimizers(model, dtype):
     return [adamw, muon]
 
 
+# The LR schedule runs over a number of steps, projected from the throughput measured in the first CALIBRATION of
+# the budget (that many steps fill the budget): with a schedule that followed the clock, every run saw slightly
+# different learning rates, and runs of one configuration drifted apart. A run slowed later stops at OVERRUN.
+CALIBRATION = 0.1
+OVERRUN = 1.02
+
+
 def lr_multiplier(progress):
     if progress < WARMUP_RATIO:
         return progress / WARMUP_RATIO
@@ -501,18 +510,19 @@ def main():
     optimizers = make_optimizers(model, dtype)
     step_model = torch.compile(model, dynamic=False) if compile_model else model
 
-    tokens_per_micro = DEVICE_BATCH_SIZE * MAX_SEQ_LEN
-    assert TOTAL_BATCH_SIZE % tokens_per_micro == 0, "TOTAL_BATCH_SIZE must be a multiple of DEVICE_BATCH_SIZE * MAX_SEQ_LEN"
-    grad_accum = TOTAL_BATCH_SIZE // tokens_per_micro
-    train_loader = make_dataloader(tokenizer, DEVICE_BATCH_SIZE, MAX_SEQ_LEN, "train", device=device)
+    device_batch = max(1, min(DEVICE_BATCH_SIZE, TOTAL_BATCH_SIZE // MAX_SEQ_LEN))
+    grad_accum = max(1, round(TOTAL_BATCH_SIZE / (device_batch * MAX_SEQ_LEN)))
+    tokens_per_step = grad_accum * device_batch * MAX_SEQ_LEN  # TOTAL_BATCH_SIZE, rounded to whole micro-batches
+    train_loader = make_dataloader(tokenizer, device_batch, MAX_SEQ_LEN, "train", device=device)
     x, y, epoch = next(train_loader)
     peak, peak_source = peak_flops(device, dtype)
     print(f"device: {device} | dtype: {str(dtype).removeprefix('torch.')} | attention: {'fa3' if fa3 else 'sdpa'} "
           f"| compile: {compile_model} | profile: {PROFILE} | peak: {peak / 1e12:.2f} TFLOP/s ({peak_source})")
-    print(f"params: {num_params / 1e6:.2f}M | width {model_dim} | depth {DEPTH} | grad accum {grad_accum} "
+    print(f"params: {num_params / 1e6:.2f}M | width {model_dim} | depth {DEPTH} | batch {device_batch} x {grad_accum} "
           f"| budget {TIME_BUDGET:g}s | startup {time.time() - t_start:.1f}s", flush=True)
 
     smooth_loss, training_time, step, last_print = 0.0, 0.0, 0, 0.0
+    step_times, planned_steps = [], None  # the schedule's length in steps, once projected from the throughput
     while True:
         synchronize(device)
         t0 = time.time()
@@ -532,7 +542,10 @@ def main():
                     loss = step_model(x, y)
                 (loss / grad_accum).backward()
             x, y, epoch = next(train_loader)
-        progress = min(training_time / TIME_BUDGET, 1.0)
+        if planned_steps is None:  # the first CALIBRATION of the budget (the LR is still flat unless warming up)
+            progress = min(training_time / TIME_BUDGET, 1.0)
+        else:  # a function of the step alone: runs of one configuration follow one trajectory
+            progress = min((step - startup_steps) / planned_steps, 1.0)
         for opt in optimizers:
             for group in opt.param_groups:
                 group["lr"] = group["initial_lr"] * lr_multiplier(progress)
@@ -548,6 +561,7 @@ def main():
         dt = time.time() - t0
         if step >= startup_steps:
             training_time += dt
+            step_times.append(dt)
         if step == 0:
             gc.collect()
             gc.freeze()  # the Python GC otherwise stalls steps scanning long-lived objects
@@ -555,14 +569,20 @@ def main():
         smooth_loss = 0.9 * smooth_loss + 0.1 * loss_value
         debiased = smooth_loss / (1 - 0.9 ** (step + 1))
         step += 1
-        if time.time() - last_print >= 1.0 or training_time >= TIME_BUDGET:
+        if planned_steps is None and training_time >= CALIBRATION * TIME_BUDGET and len(step_times) >= 4:
+            per_step = statistics.median(step_times[len(step_times) // 4:])  # past the first steps' warm-up
+            planned_steps = len(step_times) + max(0, int((TIME_BUDGET - training_time) / per_step))
+            print(f"schedule: {planned_steps} steps ({per_step * 1000:.0f}ms per step over the first "
+                  f"{len(step_times)})", flush=True)
+        finished = step - startup_steps >= planned_steps if planned_steps else training_time >= TIME_BUDGET
+        if time.time() - last_print >= 1.0 or finished:
             last_print = time.time()
-            tok_per_s = TOTAL_BATCH_SIZE / dt
+            tok_per_s = tokens_per_step / dt
             mfu = 100 * flops_per_token * tok_per_s / peak
             print(f"step {step:05d} ({100 * progress:.1f}%) | loss: {debiased:.6f} | dt: {dt * 1000:.0f}ms "
                   f"| tok/sec: {tok_per_s:,.0f} | mfu: {mfu:.1f}% | epoch: {epoch} "
                   f"| remaining: {max(0.0, TIME_BUDGET - training_time):.0f}s", flush=True)
-        if step > startup_steps and training_time >= TIME_BUDGET:
+        if step > startup_steps and (finished or training_time >= OVERRUN * TIME_BUDGET):
             break
 
     memory_mb, memory_kind = peak_memory_mb(device)  # the training peak, before evaluation adds its own
@@ -573,8 +593,8 @@ def main():
         val_bpb = evaluate_bpb(model, tokenizer, FINAL_EVAL_BATCH_SIZE)
     eval_memory_mb, _ = peak_memory_mb(device)  # on CPU the process's overall peak (rss never goes down)
     counted_steps = max(step - startup_steps, 1)
-    total_tokens = step * TOTAL_BATCH_SIZE
-    mfu = 100 * flops_per_token * TOTAL_BATCH_SIZE * counted_steps / training_time / peak
+    total_tokens = step * tokens_per_step
+    mfu = 100 * flops_per_token * tokens_per_step * counted_steps / training_time / peak
     print("---")
     print(f"val_bpb:          {val_bpb:.6f}")
     print(f"training_seconds: {training_time:.1f}")
@@ -591,6 +611,7 @@ def main():
     print(f"profile:          {PROFILE}")
     print(f"peak_tflops:      {peak / 1e12:.2f}")
     print(f"peak_source:      {peak_source}")
+    print(f"planned_steps:    {planned_steps or 0}")
     if not math.isnan(val_bpb):
         print(f"eval_vram_mb:     {eval_memory_mb:.1f}")
 

@@ -34,12 +34,13 @@ class NoOpProposer(Proposer):
         path = workdir / "train.py"
         k = len(history)
         source = path.read_text()
-        if k % 2:
+        comment = k % 2 or "\n\n\ndef main():" not in source
+        if comment:
             source += f"\n# no-op edit {k}\n"
         else:
             source = source.replace("\n\n\ndef main():", f"\n\n\n{'':<{k % 7}}\ndef main():", 1)
         path.write_text(source)
-        return Proposal(f"no-op edit {k} ({'comment' if k % 2 else 'whitespace'})")
+        return Proposal(f"no-op edit {k} ({'comment' if comment else 'whitespace'})")
 
 
 class FixProposer(Proposer):
@@ -100,7 +101,7 @@ def main() -> None:
 
         strict_keeps = replay_strict(records[0].val_bpb)  # upstream: against the one baseline run
         strict_mean_keeps = replay_strict(state.baseline_bpb)  # against the mean of the baseline runs
-        sigma = state.sigma()
+        spread = state.spread()
 
         fix_repo = fresh_repo(Path(tmp) / "fix", hobble=True)
         run_loop(Settings(repo=fix_repo, tag="fix", budget=args.budget, profile=args.profile,
@@ -109,7 +110,7 @@ def main() -> None:
     print()
     print(f"no-op candidates decided: {len(finished)} ({len(candidates)} proposed, {state.done} runs incl. "
           f"baseline repeats and re-runs), budget {args.budget:g}s, profile {args.profile}")
-    print(f"sigma of val_bpb:         {sigma.value:.5f} ({sigma.dof} degrees of freedom)")
+    print(f"typical sigma of val_bpb: {spread.sd or 0:.5f} (worth {spread.dof} runs)")
     print(f"kept, noise gate:         {noise_keeps} of {len(finished)} ({100 * noise_keeps / max(1, len(finished)):.1f}%)")
     print(f"kept, strict (replayed):  {strict_keeps} of {len(firsts)} first runs "
           f"({100 * strict_keeps / max(1, len(firsts)):.1f}%) against the first baseline run "

@@ -1,10 +1,20 @@
-"""Compare proposers at equal budget on this machine: `search` vs random search vs optuna's TPE.
+"""Compare proposers at equal budget: `search` vs random search vs optuna's TPE (and CMA-ES, perturb).
 
-Each (method, seed) runs a fresh session of the real train.py from the same baseline commit and reports the
-best val_bpb improvement over that session's own baseline. Methods are interleaved per seed, so machine noise
-hits them alike.
+Real runs (the default): each (method, seed) runs a fresh session of the real train.py from the same baseline
+commit and reports the best val_bpb improvement over that session's own baseline. Methods are interleaved per
+seed, so machine noise hits them alike.
 
     python benchmarks/search_quality.py --budget 8 --experiments 16 --seeds 3 --profile tiny
+
+On a surrogate (`--surrogate MODEL.npz`, fitted by benchmarks/surrogate/model.py on real runs): the same real
+controller (real proposer, real gate, real ledger) drives a fake train.py that answers from the surrogate in
+milliseconds with its per-configuration noise and crashes, and prints the noise-free value too. Per method:
+the best *true* val_bpb (of the session's kept best) after --checkpoints experiments, crashes, and how many
+experiments it needs to reach TPE's final median; per gate: false keeps (a kept change whose true value is not
+better) and power (the share of candidates truly better by 2 baseline σ or more that were kept).
+
+    python benchmarks/search_quality.py --surrogate benchmarks/surrogate/tiny-10s.npz --profile tiny \
+        --seeds 20 --experiments 100 --methods search,random,tpe,cmaes,perturb --jobs 2
 """
 
 from __future__ import annotations
@@ -19,15 +29,137 @@ import time
 from pathlib import Path
 
 from orchestrator.contract import make_git_repo
-from orchestrator.ledger import read_rows
+from orchestrator.ledger import read_record, read_rows
 from orchestrator.loop import Settings, run_loop
 from orchestrator.noise import Gate
+from orchestrator.session import Paths
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def fresh_repo(where: Path) -> Path:
     return make_git_repo(where, {name: (ROOT / name).read_text() for name in ("prepare.py", "train.py", ".gitignore")})
+
+
+NOOP = "false_keeps:NoOpProposer"  # edits that change nothing (comments): every keep of one is a false keep
+
+
+def surrogate_session(job: tuple) -> dict:
+    """One (method, gate, seed) session on the surrogate, in a fresh repo: what it kept, when, and how true."""
+    model, profile, method, gate, seed, experiments, where = job
+    sys.path[:0] = [str(ROOT / "benchmarks" / "surrogate"), str(ROOT / "benchmarks")]
+    from fake import fake_train
+    from orchestrator.state import Status, group_of, replay
+
+    base = Path(where) / f"{method.replace(':', '.')}-{gate}-{seed}"
+    base.mkdir(parents=True)
+    train = fake_train((ROOT / "train.py").read_text(), profile, Path(model), base / "seen.json")
+    repo = make_git_repo(base / "repo", {"train.py": train})
+    settings = Settings(repo=repo, tag="bench", budget=1.0, max_experiments=experiments, proposer=method,
+                        profile=profile, seed=seed, timeout=60, gate=Gate(mode=gate), sandbox="off",
+                        baseline_repeats=0 if gate == "strict" else 2)
+    run_loop(settings, echo=lambda line: None)
+    records = [read_record(Paths(repo, "bench").run_dir(n)) for n in range(1, experiments + 1)]
+    records = [r for r in records if r is not None]
+    true = {group_of(r): r.metrics.get("true_bpb") for r in records if r.metrics.get("true_bpb") is not None}
+    best_true, parent_true, keeps, candidates = [], {}, [], []
+    state = replay([], records[0].commit if records else "")
+    for r in records:
+        before = true.get(state.best_group) if state.best_group else None
+        if r.gate.get("decision") and group_of(r) == r.n and state.best_group and r.status != Status.CRASH \
+                and r.info.get("repeat") is None and r.info.get("confirm") is None and group_of(r) in true:
+            parent_true[group_of(r)] = before
+        state.add(r)
+        best_true.append(true.get(state.best_group))
+        if r.status == Status.KEEP and group_of(r) in parent_true:
+            keeps.append((group_of(r), parent_true[group_of(r)], true[group_of(r)]))
+    kept = {g for g, _, _ in keeps}
+    for g, before in parent_true.items():
+        if before is not None:
+            candidates.append((before - true[g], g in kept))
+    return {"method": method, "gate": gate, "seed": seed, "best_true": best_true,
+            "crashes": sum(r.status == Status.CRASH for r in records),
+            "keeps": [(before, after) for _, before, after in keeps], "candidates": candidates}
+
+
+def surrogate_main(args) -> None:
+    from concurrent.futures import ProcessPoolExecutor
+
+    sys.path.insert(0, str(ROOT / "benchmarks" / "surrogate"))
+    from model import Surrogate
+    from orchestrator.proposers.space import read_space
+
+    methods = args.methods.split(",")
+    gates = args.gates.split(",")
+    _, default = read_space((ROOT / "train.py").read_text(), args.profile)
+    baseline_sd = float(Surrogate.load(args.surrogate).predict([default])[1][0])
+    jobs = [(str(args.surrogate), args.profile, m, g, seed, args.experiments)
+            for seed in range(args.seeds) for g in gates
+            for m in (methods if g == gates[0] else ["search"]) + [NOOP]]
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp, ProcessPoolExecutor(args.jobs) as pool:
+        results = list(pool.map(surrogate_session, [(*j, tmp) for j in jobs]))
+    report_surrogate(args, results, methods, gates, baseline_sd, time.monotonic() - t0)
+
+
+def quartiles(values: list[float]) -> str:
+    q = statistics.quantiles(values, n=4) if len(values) > 1 else values * 3
+    return f"{statistics.median(values):.4f} [{q[0]:.4f}, {q[2]:.4f}]"
+
+
+def report_surrogate(args, results: list[dict], methods: list[str], gates: list[str], baseline_sd: float,
+                     wall: float) -> None:
+    from scipy.stats import wilcoxon
+
+    main_gate = gates[0]
+    checkpoints = [int(c) for c in args.checkpoints.split(",") if int(c) <= args.experiments]
+    by = {m: sorted([r for r in results if r["method"] == m and r["gate"] == main_gate], key=lambda r: r["seed"])
+          for m in methods}
+
+    def best_at(r: dict, k: int) -> float:
+        values = [v for v in r["best_true"][:k] if v is not None]
+        return values[-1] if values else float("nan")
+
+    print(f"\n{args.seeds} seeds x {args.experiments} experiments per method, surrogate {args.surrogate}, "
+          f"gate {main_gate}, baseline sd {baseline_sd:.4f}; {wall:.0f}s")
+    print("best TRUE val_bpb of the kept best: median [quartiles]")
+    print(f"{'method':8s} " + " ".join(f"{'after ' + str(k):>26s}" for k in checkpoints) + f" {'crashes':>8s}"
+          + f" {'to reach tpe':>13s}")
+    target = statistics.median(best_at(r, args.experiments) for r in by["tpe"]) if "tpe" in by else None
+    for m in methods:
+        runs = by[m]
+        cells = " ".join(f"{quartiles([best_at(r, k) for r in runs]):>26s}" for k in checkpoints)
+        crashes = sum(r["crashes"] for r in runs)
+        reach = "-"
+        if target is not None:
+            needed = [next((k + 1 for k, v in enumerate(r["best_true"]) if v is not None and v <= target), None)
+                      for r in runs]
+            got = sorted(n for n in needed if n is not None)
+            reach = f"{statistics.median(got):.0f} ({len(got)}/{len(runs)})" if got else f"never (0/{len(runs)})"
+        print(f"{m:8s} {cells} {crashes:8d} {reach:>13s}")
+    if "search" in by:
+        for other in (m for m in methods if m != "search"):
+            for k in checkpoints:
+                a = [best_at(r, k) for r in by["search"]]
+                b = [best_at(r, k) for r in by[other]]
+                diff = [x - y for x, y in zip(a, b)]
+                wins = sum(d < 0 for d in diff)
+                p = wilcoxon(a, b, alternative="less").pvalue if any(diff) else 1.0
+                print(f"search vs {other:7s} after {k:3d}: search better on {wins}/{len(diff)} seeds, "
+                      f"median difference {statistics.median(diff):+.4f}, Wilcoxon one-sided p = {p:.3g}")
+    print(f"\ngates (method search): a keep whose true value is not better is a false keep; power: candidates "
+          f"truly better by >= 2 baseline sd ({2 * baseline_sd:.4f}) that were kept")
+    for g in gates:
+        rs = [r for r in results if r["method"] == "search" and r["gate"] == g]
+        keeps = [k for r in rs for k in r["keeps"] if k[0] is not None]
+        false = sum(after >= before for before, after in keeps)
+        noop = [kept for r in results if r["method"] == NOOP and r["gate"] == g for _, kept in r["candidates"]]
+        strong = [kept for r in rs for gain, kept in r["candidates"] if gain >= 2 * baseline_sd]
+        print(f"{g:7s} keeps {len(keeps):4d}, false keeps {false:3d} ({100 * false / max(1, len(keeps)):.1f}% of "
+              f"keeps), no-op candidates kept {sum(noop)}/{len(noop)}, power {sum(strong)}/{len(strong)} "
+              f"({100 * sum(strong) / max(1, len(strong)):.0f}%)")
+    if args.out:
+        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results}))
 
 
 def main() -> None:
@@ -38,12 +170,21 @@ def main() -> None:
     ap.add_argument("--profile", default="tiny", choices=["gpu", "cpu", "tiny"])
     ap.add_argument("--timeout", type=float, default=None,
                     help="hard limit per run (default 3 x budget + 30 s): huge sampled models time out alike")
-    ap.add_argument("--methods", default="search,random,tpe")
+    ap.add_argument("--methods", default=None, help="comma-separated proposers [default: search,random,tpe; with "
+                                                  "--surrogate also cmaes,perturb]")
+    ap.add_argument("--surrogate", type=Path, default=None, help="a fitted surrogate (.npz): no real training")
+    ap.add_argument("--gates", default="noise,strict", help="with --surrogate: the gates to compare (the first is "
+                                                           "used for every method, the others for search)")
+    ap.add_argument("--checkpoints", default="30,100", help="with --surrogate: report the best after these counts")
+    ap.add_argument("--jobs", type=int, default=1, help="with --surrogate: sessions at once")
     ap.add_argument("--gate", default="strict", choices=["noise", "strict"],
                     help="keep rule for every method (strict: short sessions keep something to compare)")
     ap.add_argument("--out", type=Path, default=None, help="also write the raw results as JSON here")
     args = ap.parse_args()
-    methods = args.methods.split(",")
+    if args.surrogate:
+        args.methods = args.methods or "search,random,tpe,cmaes,perturb"
+        return surrogate_main(args)
+    methods = (args.methods or "search,random,tpe").split(",")
     results: dict[str, list[float]] = {m: [] for m in methods}
     crashes: dict[str, int] = {m: 0 for m in methods}
     with tempfile.TemporaryDirectory() as tmp:

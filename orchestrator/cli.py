@@ -107,17 +107,19 @@ def main() -> None:
 @click.option("--gate", type=click.Choice(["noise", "strict"]), default="noise", show_default=True,
               envvar="AUTOLOOP_GATE", show_envvar=True,
               help="noise: keep only what beats the measured noise; strict: upstream's rule (any lower val_bpb).")
-@click.option("--gate-sigmas", type=click.FloatRange(min=0), default=2.0, show_default=True,
-              envvar="AUTOLOOP_GATE_SIGMAS", show_envvar=True,
-              help="Margin in standard errors of the difference (t-corrected while σ rests on few runs).")
+@click.option("--false-keep-rate", type=click.FloatRange(min=0.0001, max=0.5), default=0.015, show_default=True,
+              envvar="AUTOLOOP_FALSE_KEEP_RATE", show_envvar=True,
+              help="The chance, at most, that the noise gate keeps a change that does nothing (over all of the "
+                   "candidate's runs).")
 @click.option("--min-delta", type=click.FloatRange(min=0), default=0.0, show_default=True,
               envvar="AUTOLOOP_MIN_DELTA", show_envvar=True, help="Floor of the margin, in val_bpb.")
 @click.option("--baseline-repeats", type=click.IntRange(min=0), default=2, show_default=True,
               envvar="AUTOLOOP_BASELINE_REPEATS", show_envvar=True,
               help="Extra runs of the baseline to measure σ (0: none).")
-@click.option("--max-repeats", type=click.IntRange(min=1), default=3, show_default=True,
+@click.option("--max-repeats", type=click.IntRange(min=1), default=6, show_default=True,
               envvar="AUTOLOOP_MAX_REPEATS", show_envvar=True,
-              help="Runs of one candidate at most, when it is better but inside the margin.")
+              help="Runs of one candidate at most: a promising one runs again until it clears the noise or "
+                   "turns hopeless.")
 @click.option("--sandbox", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
               envvar="AUTOLOOP_SANDBOX", show_envvar=True,
               help="Run each step in a bubblewrap sandbox: only its run directory and worktree writable, no "
@@ -178,7 +180,7 @@ def run(ctx: click.Context, **values) -> None:
                         dataset=values["dataset"], seed=values["seed"], pipeline=values["pipeline"],
                         max_tokens=values["max_tokens"], max_cost=values["max_cost"],
                         options={k: v for k, v in plugin_values["proposer"].items() if v is not None},
-                        gate=Gate(values["gate"], values["gate_sigmas"], values["min_delta"], values["max_repeats"]),
+                        gate=Gate(values["gate"], values["false_keep_rate"], values["min_delta"], values["max_repeats"]),
                         baseline_repeats=values["baseline_repeats"], max_crashes=values["max_crashes"], pass_env=tuple(values["pass_env"]),
                         sandbox=values["sandbox"], sandbox_net=values["sandbox_net"],
                         max_log_mb=values["max_log_mb"], executor=values["executor"],

@@ -1,8 +1,9 @@
 """Read and edit the UPPER_CASE hyperparameter constants of train.py with minimal, one-line text edits.
 
 A constant is `NAME = <literal>` or `NAME = per_profile(gpu=..., cpu=..., tiny=...)` (then the active
-profile's value is the one read and edited). A trailing comment may bound it: `# ... [lo, hi]` for numbers,
-`# ... {a, b, c}` for choices; `# ... [fixed]` keeps it out of the search.
+profile's value is the one read and edited). A trailing comment may bound it: `# ... [lo, hi]` for numbers
+(or per profile: `# ... [gpu: lo, hi; cpu: lo, hi; tiny: lo, hi]`), `# ... {a, b, c}` for choices;
+`# ... [fixed]` keeps it out of the search.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import re
 from dataclasses import dataclass
 
 _BOUNDS = re.compile(r"\[\s*([^,\]]+?)\s*,\s*([^\]]+?)\s*\]\s*$")
+_PROFILE_BOUNDS = re.compile(r"\[\s*((?:\w+\s*:[^;\]]+;?\s*)+)\]\s*$")
 _CHOICES = re.compile(r"\{([^}]*)\}\s*$")
 _POW2 = re.compile(r"^\s*2\s*\*\*\s*\d+\s*$")
 
@@ -61,13 +63,27 @@ def _number(node: ast.AST):
     return ast.literal_eval(node)
 
 
-def _parse_comment(line: str) -> tuple[float | None, float | None, tuple | None]:
+def _bound(text: str) -> float:
+    return float(eval(text, {"__builtins__": {}}))  # a number or arithmetic such as 2**19 (from train.py itself)
+
+
+def _parse_comment(line: str, profile: str | None = None) -> tuple[float | None, float | None, tuple | None]:
     if "#" not in line:
         return None, None, None
     comment = line.split("#", 1)[1].strip()
+    if m := _PROFILE_BOUNDS.search(comment):
+        for part in m.group(1).split(";"):
+            name, _, bounds = part.partition(":")
+            low, _, high = bounds.partition(",")
+            if name.strip() == profile:
+                try:
+                    return _bound(low), _bound(high), None
+                except Exception:
+                    return None, None, None
+        return None, None, None
     if m := _BOUNDS.search(comment):
         try:
-            return float(eval(m.group(1), {"__builtins__": {}})), float(eval(m.group(2), {"__builtins__": {}})), None
+            return _bound(m.group(1)), _bound(m.group(2)), None
         except Exception:
             return None, None, None
     if m := _CHOICES.search(comment):
@@ -108,7 +124,7 @@ def read_constants(source: str, profile: str | None = None) -> list[Constant]:
             continue
         if re.search(r"#.*\[fixed\]\s*$", lines[node.lineno - 1]):
             continue  # the author marked it as not a hyperparameter to search
-        low, high, choices = _parse_comment(lines[node.lineno - 1])
+        low, high, choices = _parse_comment(lines[node.lineno - 1], profile)
         constants.append(Constant(name, value, node.lineno, value_node.col_offset, value_node.end_col_offset,
                                   text, low, high, choices, prof))
     return constants

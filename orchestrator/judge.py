@@ -15,7 +15,7 @@ import statistics
 from dataclasses import dataclass
 
 from .ledger import Record, Row
-from .noise import Gate, Sigma, judge
+from .noise import Gate, Verdict, judge
 from .state import Decision, State, Status, counts, group_of
 
 
@@ -80,7 +80,10 @@ def decide(state: State, runs: list[Finished], gate: Gate) -> None:
         if ok:
             ok[0].record.status = Status.KEEP
         return
-    sigma = state.sigma([r.record for r in ok])
+    extra = [r.record for r in ok]
+
+    def others(run: Finished) -> list[list[float]]:
+        return state.others(run.record.device, state.best_group, group_of(run.record), extra=extra)
 
     def parent_on(device: str) -> list[float]:
         return state.runs(state.best_group, device) + [
@@ -98,13 +101,13 @@ def decide(state: State, runs: list[Finished], gate: Gate) -> None:
             why = f"no run of the best on {run.record.device or 'this device'} to compare with"
             run.record.gate = {"decision": Decision.DISCARD, "runs": 1, "why": why, "note": why}
             continue
-        verdict = judge([run.record.val_bpb], parent, sigma, gate, run.shorter)
-        run.record.gate = gate_fields(verdict, [run.record.val_bpb], parent, sigma)
+        verdict = judge([run.record.val_bpb], parent, others(run), gate, run.shorter)
+        run.record.gate = gate_fields(verdict, [run.record.val_bpb], parent)
     if len(candidates) > 1:
         select(candidates)
     followups = [r for r in ok if r.kind in ("rerun", "confirm")]
     if followups:
-        settle(state, followups, parent_on, sigma, gate)
+        settle(state, followups, parent_on, others(followups[-1]), gate)
     if followups and any(r.record.gate.get("decision") == Decision.RERUN for r in followups):
         for run in runs:  # a crashed run of the candidate does not undo "run it again"
             if run.crashed and run.kind in ("rerun", "confirm"):
@@ -127,9 +130,10 @@ def decide(state: State, runs: list[Finished], gate: Gate) -> None:
 
 
 def select(candidates: list[Finished]) -> None:
-    """Of several candidates, the best of those that beat the best by the margin is selected to run again;
-    none is kept now."""
-    eligible = [r for r in candidates if r.record.gate.get("decision") == Decision.KEEP]
+    """Of several candidates, the best of those that beat the best or are promising (better, and not hopeless)
+    is selected to run again; none is kept now."""
+    eligible = [r for r in candidates if r.record.gate.get("decision") == Decision.KEEP or
+                r.record.gate.get("decision") == Decision.RERUN and r.record.gate.get("delta", 0) > 0]
     for run in candidates:
         run.record.gate["decision"] = Decision.DISCARD
     if not eligible:
@@ -142,7 +146,7 @@ def select(candidates: list[Finished]) -> None:
             run.record.gate["note"] = "beat the parent, but not the best of its generation"
 
 
-def settle(state: State, followups: list[Finished], parent_on, sigma: Sigma, gate: Gate) -> None:
+def settle(state: State, followups: list[Finished], parent_on, others: list[list[float]], gate: Gate) -> None:
     """Decide a pending candidate on all its counted runs on the last run's device."""
     final = followups[-1]
     group, device = group_of(final.record), final.record.device
@@ -155,8 +159,8 @@ def settle(state: State, followups: list[Finished], parent_on, sigma: Sigma, gat
         final.record.gate = {"decision": Decision.DISCARD, "runs": len(values),
                              "note": "not confirmed: no parent run on this device"}
         return
-    verdict = judge(values, parent, sigma, gate, final.shorter)
-    final.record.gate = gate_fields(verdict, values, parent, sigma)
+    verdict = judge(values, parent, others, gate, final.shorter)
+    final.record.gate = gate_fields(verdict, values, parent)
     if confirming:
         final.record.gate["confirmation"] = True
         n = len(values)
@@ -168,10 +172,12 @@ def settle(state: State, followups: list[Finished], parent_on, sigma: Sigma, gat
             f"not confirmed: {n} confirmation run(s) {verdict.why} ({verdict.delta:+.4f}, margin {verdict.margin:.4f})")
 
 
-def gate_fields(verdict, candidate: list[float], parent: list[float], sigma: Sigma) -> dict:
+def gate_fields(verdict: Verdict, candidate: list[float], parent: list[float]) -> dict:
+    """The decision and its evidence, as record.json keeps them: both means, spreads and run counts, the test,
+    its statistic and the threshold it had to clear at this look."""
     return {"decision": Decision(verdict.decision), "runs": len(candidate), "mean": statistics.fmean(candidate),
             "best_mean": statistics.fmean(parent), "margin": verdict.margin, "delta": verdict.delta,
-            "sigma": sigma.value, "sigma_dof": sigma.dof, "why": verdict.why}
+            "why": verdict.why, **verdict.evidence}
 
 
 def row_of(record: Record) -> Row:
@@ -192,7 +198,7 @@ def row_text(record: Record) -> tuple[float, str]:
         return value, f"{record.description} [{g['note']}]"
     if g.get("decision") == Decision.RERUN:
         return record.val_bpb, f"{record.description} [inside the margin {g['margin']:.4f}: running again]"
-    if g.get("sigma") is not None and (g["decision"] == Decision.KEEP or g["runs"] > 1):
+    if g.get("test") == "welch-t" and (g["decision"] == Decision.KEEP or g["runs"] > 1):
         note = "simplification, " if g["why"].startswith("simplification") else ""
         runs = f"mean of {g['runs']} runs" if g["runs"] > 1 else "1 run"
         return g["mean"], f"{record.description} ({note}{runs}, margin {g['margin']:.4f})"

@@ -1,58 +1,156 @@
-"""Noise-aware decisions: measure σ of val_bpb from repeated runs, and keep only what beats the noise.
+"""Noise-aware decisions: keep a change only when its runs show that it beats the best beyond run-to-run noise.
 
-Upstream keeps any lower val_bpb, so a change that does nothing is kept about half the time. Here the
-baseline is run more than once to estimate σ (pooled over every configuration measured more than once, so it
-keeps improving), a candidate is kept only if its mean beats the best's mean by a margin of about
-`gate_sigmas` standard errors (t-corrected while σ rests on few runs, floored at `min_delta`), a promising
-candidate inside the margin is re-run and judged on its mean, and, within the margin, a shorter train.py wins.
+Upstream keeps any lower val_bpb, so a change that does nothing is kept about half the time. Here:
+
+- Every configuration has its own spread. A configuration's variance is its own runs' sample variance shrunk
+  towards a reference (the median variance of the configurations measured more than once, worth `PRIOR_DOF`
+  runs), so one volatile candidate never widens the margin of the candidates after it, and a configuration
+  with a single run borrows a typical spread.
+- Candidate and best are compared by Welch's t test (unequal variances, Satterthwaite's degrees of freedom).
+- The test is sequential: a candidate has up to `max_repeats` looks, one after each of its runs. At look k it is
+  kept when t clears the one-sided quantile at `alpha / max_repeats` (Bonferroni over the looks, so a change
+  that does nothing is kept with probability at most `alpha` however many runs it gets), discarded when t is
+  under the futility bound (hopeless: it stops early), and otherwise run again.
+- Within the noise, a shorter train.py wins (upstream's simplicity criterion).
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-# two-sided 95% Student t quantiles by degrees of freedom; 1.96 beyond
-_T975 = {1: 12.71, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-         12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042}
-
-
-def t_factor(dof: int) -> float:
-    """How much wider than the normal 1.96 an interval must be when σ rests on `dof` degrees of freedom."""
-    for k in sorted(_T975):
-        if dof <= k:
-            return _T975[k] / 1.96
-    return 1.0
-
-
-@dataclass
-class Sigma:
-    value: float | None  # pooled standard deviation of val_bpb between runs of the same configuration
-    dof: int
-
-
-def pooled_sigma(groups: list[list[float]]) -> Sigma:
-    """σ pooled over groups of repeated measurements of one configuration each."""
-    ss = sum(sum((x - statistics.fmean(g)) ** 2 for x in g) for g in groups if len(g) >= 2)
-    dof = sum(len(g) - 1 for g in groups if len(g) >= 2)
-    return Sigma(math.sqrt(ss / dof) if dof else None, dof)
+PRIOR_DOF = 8  # how many runs' worth the reference spread counts for in a configuration's variance, at most
+PARENT_RUNS = 12  # runs of the best at most that a pending candidate asks for (they serve later ones too)
+SPEND = 2.0  # the false-keep budget of look k grows as k**SPEND
+FUTILITY = (0.0, 0.5, 1.0)  # t at look 1, 2, 3.. under which a candidate is discarded without more runs
 
 
 @dataclass
 class Gate:
     mode: str = "noise"  # noise | strict (upstream: keep if lower at all)
-    sigmas: float = 2.0
-    min_delta: float = 0.0
-    max_repeats: int = 3  # runs of one candidate at most, the first included
+    alpha: float = 0.015  # the chance, at most, that a change that does nothing is kept (one-sided, all looks)
+    min_delta: float = 0.0  # a kept change must also be better by this much, in val_bpb
+    max_repeats: int = 6  # runs of one candidate at most, the first included (its looks)
+
+
+@dataclass(frozen=True)
+class Spread:
+    """The reference variance between runs of one configuration: the median over configurations measured more
+    than once, and how many runs' worth it counts for (0: nothing measured yet)."""
+
+    var: float | None
+    dof: int
+
+    @property
+    def sd(self) -> float | None:
+        return None if self.var is None else math.sqrt(self.var)
+
+
+def reference_spread(groups: list[list[float]]) -> Spread:
+    """The typical spread of groups of runs of one configuration each, and how many runs' worth it is: an
+    empirical-Bayes fit of the groups' sample variances (Smyth's moderated variances, as limma does). On the
+    log scale, where a variance on d degrees of freedom scatters by trigamma(d/2) around the truth, the
+    reference is the median (one volatile configuration barely moves it) and its worth follows from how much
+    more the groups scatter than that: alike configurations give a reference worth many runs (up to
+    PRIOR_DOF), configurations whose spreads truly differ one worth few, so each is judged on its own runs."""
+    from scipy.special import digamma, polygamma
+
+    measured = [g for g in groups if len(g) >= 2 and statistics.variance(g) > 0]
+    if not measured:
+        return Spread(None, 0)
+    dofs = [len(g) - 1 for g in measured]
+    logs = [math.log(statistics.variance(g)) - float(digamma(d / 2)) + math.log(d / 2) for g, d in zip(measured, dofs)]
+    centre = statistics.median(logs)
+    if len(measured) < 3:  # too few to see how the spreads differ: worth their runs, at most PRIOR_DOF
+        return Spread(math.exp(centre), min(PRIOR_DOF, sum(dofs)))
+    excess = statistics.variance(logs) - statistics.fmean(float(polygamma(1, d / 2)) for d in dofs)
+    dof = PRIOR_DOF if excess <= 0 else min(PRIOR_DOF, 2 * _trigamma_inverse(excess))
+    var = math.exp(centre + float(digamma(dof / 2)) - math.log(dof / 2))
+    return Spread(var, max(1, int(dof)))
+
+
+def _trigamma_inverse(y: float) -> float:
+    """x with trigamma(x) = y (Newton's method on 1/x, as Smyth does)."""
+    from scipy.special import polygamma
+
+    if y > 1e7:
+        return 1 / math.sqrt(y)
+    x = 0.5 + 1 / y
+    for _ in range(50):
+        tri = float(polygamma(1, x))
+        step = tri * (1 - tri / y) / float(polygamma(2, x))
+        x += step
+        if -step / x < 1e-8:
+            break
+    return x
+
+
+def pooled_spread(groups: list[list[float]]) -> Spread:
+    """The variance pooled over groups (each about its own mean), on all their degrees of freedom."""
+    dof = sum(len(g) - 1 for g in groups)
+    ss = sum(sum((x - statistics.fmean(g)) ** 2 for x in g) for g in groups)
+    return Spread(ss / dof if dof else None, dof)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One configuration's runs: mean, shrunk variance and its degrees of freedom."""
+
+    n: int
+    mean: float
+    var: float
+    dof: float
+
+    @property
+    def sd(self) -> float:
+        return math.sqrt(self.var)
+
+
+def sample(values: list[float], ref: Spread) -> Sample:
+    n, mean = len(values), statistics.fmean(values)
+    ss = sum((x - mean) ** 2 for x in values)
+    prior_dof = ref.dof if ref.var is not None else 0
+    dof = prior_dof + n - 1
+    var = (prior_dof * (ref.var or 0.0) + ss) / dof if dof else 0.0
+    return Sample(n, mean, var, dof)
 
 
 @dataclass
 class Verdict:
     decision: str  # keep | discard | rerun
-    margin: float
+    margin: float  # the improvement that would have been kept at this look (threshold x standard error)
     delta: float  # best mean - candidate mean (positive: the candidate is better)
     why: str
+    evidence: dict = field(default_factory=dict)  # the test, its statistic and threshold (record.json gate)
+
+
+def t_quantile(p: float, dof: float) -> float:
+    from scipy import stats  # imported on first use: the CLI starts without it
+
+    return float(stats.t.ppf(p, dof)) if dof > 0 else math.inf
+
+
+def look_alpha(gate: Gate, look: int) -> float:
+    """The share of the false-keep budget spent at this look: growing with the look (k^SPEND), since early
+    looks, on one or two runs, can only keep large effects anyway; the shares sum to `alpha`."""
+    weights = [k ** SPEND for k in range(1, gate.max_repeats + 1)]
+    return gate.alpha * weights[min(look, gate.max_repeats) - 1] / sum(weights)
+
+
+def threshold(gate: Gate, look: int, dof: float) -> float:
+    """One look's one-sided critical t (Bonferroni over the looks: the false-keep rate stays under alpha)."""
+    return t_quantile(1.0 - look_alpha(gate, look), dof)
+
+
+def parent_first(candidate: list[float], best: list[float], others: list[list[float]]) -> bool:
+    """Would a run of the best sharpen the comparison more than another run of the candidate? (The run that
+    shrinks the standard error of the difference most; a tie goes to the best, whose runs serve every later
+    candidate too.) Never beyond PARENT_RUNS runs of the best."""
+    if len(best) >= PARENT_RUNS:
+        return False
+    c, b, ref = samples(candidate, best, others)
+    return ref.var is not None and b.var / (b.n * (b.n + 1)) >= c.var / (c.n * (c.n + 1))
 
 
 def significant_lines(source: str) -> int:
@@ -60,20 +158,61 @@ def significant_lines(source: str) -> int:
     return sum(1 for line in source.splitlines() if line.strip() and not line.strip().startswith("#"))
 
 
-def judge(candidate: list[float], best: list[float], sigma: Sigma, gate: Gate, shorter: bool) -> Verdict:
-    """Decide on the candidate's runs so far against the best's runs."""
+def welch(c: Sample, b: Sample) -> tuple[float, float]:
+    """Standard error of the difference of means and Welch-Satterthwaite degrees of freedom."""
+    vc, vb = c.var / c.n, b.var / b.n
+    se = math.sqrt(vc + vb)
+    parts = (vc * vc / c.dof if c.dof else math.inf if vc else 0.0) + (vb * vb / b.dof if b.dof else math.inf if vb else 0.0)
+    dof = (vc + vb) ** 2 / parts if parts and math.isfinite(parts) else 0.0
+    return se, dof
+
+
+def samples(candidate: list[float], best: list[float], others: list[list[float]]) -> tuple[Sample, Sample, Spread]:
+    """The two configurations' samples and the reference spread they were shrunk towards. Early, with no other
+    configuration run twice, the two's own runs are all there is: one variance pooled over both (the classic
+    two-sample t test, its degrees of freedom shared between them)."""
+    ref = reference_spread(others)
+    if ref.var is not None:
+        return sample(candidate, ref), sample(best, ref), ref
+    ref = pooled_spread([candidate, best])
+    var = ref.var or 0.0
+    return (Sample(len(candidate), statistics.fmean(candidate), var, ref.dof),
+            Sample(len(best), statistics.fmean(best), var, ref.dof), ref)
+
+
+def judge(candidate: list[float], best: list[float], others: list[list[float]], gate: Gate,
+          shorter: bool) -> Verdict:
+    """Decide on the candidate's runs so far (this is look len(candidate)) against the best's runs; `others`
+    are the runs of every other configuration (they give the reference spread)."""
     delta = statistics.fmean(best) - statistics.fmean(candidate)
+    look = len(candidate)
+    more = look < gate.max_repeats
     if gate.mode == "strict":
-        return Verdict("keep" if delta > 0 else "discard", 0.0, delta, "strict: lower is kept")
-    if sigma.value is None:
-        margin = gate.min_delta
-        return Verdict("keep" if delta > margin else "discard", margin, delta, "σ unknown: no repeats yet")
-    se = sigma.value * math.sqrt(1 / len(candidate) + 1 / len(best))
-    margin = max(gate.min_delta, gate.sigmas * t_factor(sigma.dof) * se)
-    if delta > margin:
-        return Verdict("keep", margin, delta, "beats the best by more than the margin")
-    if abs(delta) <= margin and shorter:
-        return Verdict("keep", margin, delta, "simplification: within the margin and shorter")
-    if delta > 0 and len(candidate) < gate.max_repeats:
-        return Verdict("rerun", margin, delta, "better but inside the margin: run again")
-    return Verdict("discard", margin, delta, "not better by more than the margin")
+        return Verdict("keep" if delta > 0 else "discard", 0.0, delta, "strict: lower is kept", {"test": "strict"})
+    c, b, ref = samples(candidate, best, others)
+    if ref.var is None:  # nothing measured twice (--baseline-repeats 0): upstream's rule until something is
+        decision = "keep" if delta > gate.min_delta else "discard"
+        why = "spread unknown (no configuration run twice yet): lower is kept"
+        return Verdict(decision, gate.min_delta, delta, why, {"test": "none", "look": look, "looks": gate.max_repeats})
+    se, dof = welch(c, b)
+    if c.var == b.var and c.dof == b.dof == ref.dof:  # early, one pooled variance: the classic t test's dof
+        dof = ref.dof
+    q = threshold(gate, look, dof)
+    if se == 0.0:  # every run of both alike: exact
+        t = math.inf if delta > 0 else -math.inf if delta < 0 else 0.0
+    else:
+        t = delta / se
+    margin = max(gate.min_delta, q * se)
+    evidence = {"test": "welch-t", "t": t, "threshold": q, "dof": dof, "se": se, "look": look,
+                "looks": gate.max_repeats, "alpha": look_alpha(gate, look), "sd": c.sd, "best_sd": b.sd,
+                "best_runs": b.n, "ref_sd": ref.sd, "ref_dof": ref.dof}
+    if t > q and delta > gate.min_delta:
+        return Verdict("keep", margin, delta, f"beats the best: t {t:.2f} > {q:.2f}", evidence)
+    if shorter and t > -q:
+        return Verdict("keep", margin, delta, "simplification: not worse beyond the noise, and shorter", evidence)
+    bound = FUTILITY[min(look, len(FUTILITY)) - 1]
+    if more and t >= bound:
+        return Verdict("rerun", margin, delta, f"promising (t {t:.2f}): run again", evidence)
+    why = f"not better beyond the noise after {look} run(s) (t {t:.2f})" if not more else \
+        f"hopeless: t {t:.2f} < {bound:g} at run {look}"
+    return Verdict("discard", margin, delta, why, evidence)

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 from .ledger import Record
+from .noise import parent_first
 from .pipeline import Prefetch, Prepared, carry, make_proposal
 from .proposers import Proposer
 from .state import State, group_of
@@ -133,6 +134,11 @@ def plan(ws, ideas: Ideas, state: State, slots: int) -> list[Planned]:
             runs = [again(ws, state, first, f"{first.description} (confirmation {i + 1}/{k})", {"confirm": i + 1},
                           "confirm") for i in range(k)]
         else:
+            device = state.records[-1].device
+            mine, parents = state.runs(state.pending, device), state.runs(state.best_group, device)
+            if slots == 1 and mine and parents and \
+                    parent_first(mine, parents, state.others(device, state.best_group, state.pending)):
+                return [parent_run(state, f"sharpening the comparison with pending run {state.pending}")]
             n = sum(1 for r in state.records if group_of(r) == state.pending) + 1
             runs = [again(ws, state, first, f"{first.description} (repeat {n}/{s.gate.max_repeats})", {"repeat": n},
                           "rerun")]

@@ -16,7 +16,7 @@ from enum import Enum
 
 from . import LoopError
 from .ledger import Record, read_record, read_rows
-from .noise import Sigma, pooled_sigma
+from .noise import Spread, reference_spread
 from .session import Paths
 
 
@@ -110,13 +110,21 @@ class State:
         runs = self.runs(self.baseline_group) if self.baseline_group else []
         return statistics.fmean(runs) if runs else None
 
-    def sigma(self, extra: list[Record] = ()) -> Sigma:
-        """σ pooled over every (configuration, device type) measured more than once."""
+    def groups(self, extra: list[Record] = ()) -> dict[tuple[int, str], list[float]]:
+        """The counted runs of every (configuration, device type)."""
         groups: dict[tuple[int, str], list[float]] = {}
         for r in [*self.records, *extra]:
             if counts(r):
                 groups.setdefault((group_of(r), r.device), []).append(r.val_bpb)
-        return pooled_sigma(list(groups.values()))
+        return groups
+
+    def others(self, device: str, *exclude: int, extra: list[Record] = ()) -> list[list[float]]:
+        """The runs of every configuration on `device` but those excluded (they give the reference spread)."""
+        return [v for (g, d), v in self.groups(extra).items() if d == device and g not in exclude]
+
+    def spread(self) -> Spread:
+        """The typical spread between runs of one configuration, over the whole session (shown by status)."""
+        return reference_spread(list(self.groups().values()))
 
     def usage(self) -> tuple[int, float]:
         """Tokens and dollars the proposer reported over the session (record.json info.usage)."""

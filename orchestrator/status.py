@@ -23,7 +23,7 @@ def collect(repo: Path, tag: str | None) -> dict:
     rows = read_rows(paths.ledger)
     state = load_state(paths)  # the same derivation as the loop's, the report's and the console's
     running = is_locked(paths.lock)
-    sigma = state.sigma()
+    spread = state.spread()
     info = {
         "tag": tag,
         "running": running,
@@ -34,8 +34,8 @@ def collect(repo: Path, tag: str | None) -> dict:
         "baseline_bpb": state.baseline_bpb,
         "best_bpb": state.best_bpb,
         "best_commit": state.best_commit[:7] if state.best_group else None,
-        "sigma": sigma.value,
-        "sigma_dof": sigma.dof,
+        "sigma": spread.sd,
+        "sigma_dof": spread.dof,
         "current": None,
         "slots": [],
         "recent": [r.__dict__ for r in rows[-5:]],
@@ -70,8 +70,8 @@ def render(info: dict) -> str:
         lines.append(f"best val_bpb: {info['best_bpb']:.6f} at {info['best_commit']} "
                      f"(baseline {info['baseline_bpb']:.6f})")
     if info["sigma"] is not None:
-        lines.append(f"noise: σ = {info['sigma']:.5f} val_bpb between runs of one configuration "
-                     f"({info['sigma_dof']} degrees of freedom)")
+        lines.append(f"noise: typical σ = {info['sigma']:.5f} val_bpb between runs of one configuration "
+                     f"(worth {info['sigma_dof']} runs; each configuration's own repeats refine its own)")
     elif info["experiments"]:
         lines.append("noise: σ not measured yet (no repeated runs)")
     if info["current"]:

@@ -129,7 +129,7 @@ class Workspace:
         gate = self.settings.gate
         return {"budget": self.settings.budget, "profile": self.profile,
                 "dataset": (self.info.dataset if self.info else None) or self.settings.dataset,
-                "seed": self.settings.seed, "gate": f"{gate.mode} {gate.sigmas:g}σ min {gate.min_delta:g}",
+                "seed": self.settings.seed, "gate": f"{gate.mode} alpha {gate.alpha:g} looks {gate.max_repeats} min {gate.min_delta:g}",
                 "manifest_digest": self.manifest_digest, "prepare_sha256": self.prepare_sha}
 
     def differences(self, pinned: dict) -> list[str]:
@@ -275,11 +275,11 @@ class Workspace:
         if "queue_id" in record.info:
             self.queue.mark_done(record.info["queue_id"], self.settings.tag, record.n)
         gitops.reset_to(self.wt, state.best_commit)
-        sigma = state.sigma()
+        spread = state.spread()
         with self._pids_lock:
             self.pids.pop(str(record.slot or 0), None)
             write_status(self.paths, phase="idle", train_pid=None, train_pids=dict(self.pids), last=record.n,
-                         sigma=sigma.value, sigma_dof=sigma.dof)
+                         sigma=spread.sd, sigma_dof=spread.dof)
 
 
 def _read(path: Path) -> bytes | None:

@@ -125,7 +125,7 @@ def test_end_to_end_with_the_real_train_py(tiny_env, tmp_path):
     assert all(r.description.startswith(("MATRIX_LR to 0.03", "WARMDOWN_RATIO to 0.4")) for r in rows[ideas:])
     assert rows[0].status == "keep" and {r.status for r in rows[1:ideas]} == {"discard"}
     assert all(r.status != "crash" and r.val_bpb > 0 for r in rows), rows  # the edits really trained
-    assert "noise: σ = " in autoloop("status", "--repo", str(repo), env=env).stdout  # measured by the repeats
+    assert "noise: typical σ = " in autoloop("status", "--repo", str(repo), env=env).stdout  # measured by the repeats
     assert user.git.status("--porcelain") == before
     branch = user.heads["autoloop/e2e"].commit.hexsha
     for r in rows:

@@ -195,7 +195,7 @@ def test_a_crashed_baseline_run_again_on_resume_is_the_baseline(fake_repo, plan,
         run_loop(settings(repo, baseline_repeats=2), echo=lambda _: None)
     state = run_loop(settings(repo, baseline_repeats=2), echo=lambda _: None)
     rows = read_rows(repo / "results.tsv")
-    assert [r.description.split(" (1 run")[0] for r in rows] == [
+    assert [r.description.split(" (1 run")[0].split(" (simplification")[0] for r in rows] == [
         "baseline [crash: exit code 1: the first run crashes]", "baseline (retry)", "baseline (repeat 2/3)",
         "baseline (repeat 3/3)", "better"]
     assert state.baseline_run == 2 and state.baseline_bpb == pytest.approx(1.0) and state.best_run == 5

@@ -65,7 +65,7 @@ def test_a_chosen_tag_refuses_a_changed_session_and_names_every_difference(fake_
                        "--max-experiments", "2")
     assert changed.returncode == 1 and "Traceback" not in changed.stderr
     for part in ("session 't' was started with other settings", "budget 1s (now 2s)", "seed 42 (now 7)",
-                 "gate noise 2σ min 0 (now strict 2σ min 0)", "--tag t-2"):
+                 "gate noise alpha 0.015 looks 6 min 0 (now strict alpha 0.015 looks 6 min 0)", "--tag t-2"):
         assert part in changed.stderr, changed.stderr
     assert len(rows(repo, "t")) == 1  # nothing ran
     same = autoloop(repo, "--tag", "t", "--budget", "1", "--max-experiments", "2")
@@ -348,7 +348,7 @@ def test_a_run_slowed_by_a_competing_process_is_run_again_not_counted(fake_repo,
     from orchestrator.state import load_state
     state = load_state(Paths(repo, "d"))
     assert state.runs(1) == [1.001, 1.0, 1.0] or sorted(state.runs(1)) == [1.0, 1.0, 1.001]  # run 3 left out
-    assert state.sigma().value < 0.01  # with run 3 it would be ~0.1
+    assert state.spread().sd < 0.01  # with run 3 it would be ~0.1
 
 
 def test_resume_ends_a_killed_runs_worker_whose_parent_is_gone(tmp_path):

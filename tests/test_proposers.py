@@ -16,7 +16,7 @@ from orchestrator.queue import Queue
 from orchestrator.session import Paths
 from conftest import ROOT
 
-BUILTINS = ["search", "random", "tpe", "perturb", "queue"]
+BUILTINS = ["search", "random", "tpe", "cmaes", "perturb", "queue"]
 
 
 def test_every_builtin_is_registered():
@@ -25,8 +25,9 @@ def test_every_builtin_is_registered():
 
 @pytest.mark.parametrize("name", BUILTINS)
 def test_contract(name, tmp_path):
-    if name == "tpe":
+    if name in ("tpe", "cmaes"):
         pytest.importorskip("optuna")
+        pytest.importorskip("cmaes")
     rows = check_proposer(name, tmp_path, experiments=6, setup=queue_three_ideas if name == "queue" else None)
     if name == "queue":  # the queue runs dry after three ideas: the loop ends there
         assert [r.description for r in rows] == ["baseline", "lower lr", "mode b", "deeper via patch"]
@@ -52,13 +53,15 @@ def queue_three_ideas(repo):
 def test_parser_on_the_shipped_train_py():
     source = (ROOT / "train.py").read_text()
     cpu = {c.name: c for c in read_constants(source, "cpu")}
-    assert cpu["DEPTH"].value == 4 and cpu["DEPTH"].profile == "cpu" and (cpu["DEPTH"].low, cpu["DEPTH"].high) == (1, 32)
-    assert read_constants(source, "gpu")[0].value == 8
+    assert cpu["DEPTH"].value == 4 and cpu["DEPTH"].profile == "cpu" and (cpu["DEPTH"].low, cpu["DEPTH"].high) == (1, 8)
+    gpu = {c.name: c for c in read_constants(source, "gpu")}
+    assert gpu["DEPTH"].value == 8 and (gpu["DEPTH"].low, gpu["DEPTH"].high) == (2, 24)  # bounds per profile
+    assert (cpu["TOTAL_BATCH_SIZE"].low, cpu["TOTAL_BATCH_SIZE"].high) == (2**10, 2**15)
     assert cpu["TOTAL_BATCH_SIZE"].value == 2**12 and cpu["HEAD_DIM"].choices == (32, 64, 128)
     assert cpu["WINDOW_PATTERN"].choices == ("auto", "L", "SL", "SSL", "SSSL")
     assert "FINAL_EVAL_BATCH_SIZE" not in cpu  # [fixed]
     edited = set_constant(source, cpu["TOTAL_BATCH_SIZE"], 2**13)
-    assert "cpu=2**13, tiny=2**9)  # tokens per optimizer step" in edited
+    assert "cpu=2**13, tiny=2**9)  # tokens per optimizer step, about" in edited
     assert sum(a != b for a, b in zip(source.splitlines(), edited.splitlines())) == 1
 
 

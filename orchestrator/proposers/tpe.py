@@ -25,8 +25,14 @@ def distribution(p: Param):
     return d.IntDistribution(int(p.low), int(p.high))
 
 
+def crashed(rec: Record) -> bool:
+    return rec.status == "crash" or rec.val_bpb is None
+
+
 class TPEProposer(Proposer):
-    """Rebuilds an in-memory optuna study from the history on every call, then asks TPE for the next point."""
+    """Rebuilds an in-memory optuna study from the history on every call, then asks TPE for the next point.
+    A crashed configuration is not dropped: it is a trial that violates a constraint (optuna's constrained
+    TPE), so TPE learns where configurations crash."""
 
     name = "tpe"
 
@@ -35,10 +41,17 @@ class TPEProposer(Proposer):
         try:
             import optuna
         except ImportError:
-            raise LoopError("the tpe proposer needs optuna: pip install 'autoloop[optuna]'") from None
+            raise LoopError(f"the {self.name} proposer needs optuna: pip install 'autoloop[optuna]'") from None
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         self.optuna = optuna
         self.configs = Configs(context.repo, context.profile)
+
+    def study(self, seed: int, trials: list):
+        """A study that knows the finished trials of the history."""
+        sampler = self.optuna.samplers.TPESampler(seed=seed, constraints_func=constraint_of)
+        study = self.optuna.create_study(direction="minimize", sampler=sampler)
+        study.add_trials(trials)
+        return study
 
     def propose(self, workdir: Path, history: list[Record]) -> Proposal | None:
         optuna = self.optuna
@@ -46,19 +59,22 @@ class TPEProposer(Proposer):
         source = path.read_text()
         space, best = read_space(source, self.context.profile)
         dists = {name: distribution(p) for name, p in space.items()}
-        sampler = optuna.samplers.TPESampler(seed=self.context.seed + len(history))
-        study = optuna.create_study(direction="minimize", sampler=sampler)
+        trials = []
         tried = {config_key(best)}
-        for rec, cfg, _ in self.configs.moves(history):
+        moves = [(rec, cfg) for rec, cfg, _ in self.configs.moves(history)]
+        worst = max((rec.val_bpb for rec, _ in moves if not crashed(rec)), default=None)
+        for rec, cfg in moves:
             tried.add(config_key(cfg))
             if rec.status not in ("keep", "discard", "crash"):
                 continue  # still training
             params = {n: cfg[n] for n in space if n in cfg and dists[n]._contains(dists[n].to_internal_repr(cfg[n]))}
-            state = optuna.trial.TrialState.COMPLETE if rec.val_bpb is not None and rec.status != "crash" \
-                else optuna.trial.TrialState.FAIL
-            value = rec.val_bpb if state == optuna.trial.TrialState.COMPLETE else None
-            study.add_trial(optuna.trial.create_trial(params=params, distributions={n: dists[n] for n in params},
-                                                      value=value, state=state))
+            if crashed(rec) and worst is None:
+                continue  # nothing to rank a crash against yet
+            trials.append(optuna.trial.create_trial(
+                params=params, distributions={n: dists[n] for n in params},
+                value=worst if crashed(rec) else rec.val_bpb, state=optuna.trial.TrialState.COMPLETE,
+                user_attrs={"constraint": [1.0 if crashed(rec) else 0.0]}))
+        study = self.study(self.context.seed + len(history), trials)
         for _ in range(50):
             trial = study.ask(dists)
             config = {n: rounded(v, space[n].kind) for n, v in trial.params.items()}
@@ -69,3 +85,33 @@ class TPEProposer(Proposer):
                 path.write_text(apply_changes(source, self.context.profile, changes))
                 return Proposal(describe(best, changes))
         return None
+
+
+def constraint_of(trial) -> list[float]:
+    """> 0: the configuration crashed (a failed constraint)."""
+    return trial.user_attrs.get("constraint", [0.0])
+
+
+class CMAESProposer(TPEProposer):
+    """optuna's CMA-ES (needs the `optuna` extra, with cmaes), stateless like `tpe`: each call starts a
+    warm-started CMA-ES (WS-CMA-ES) whose initial mean and covariance are fitted to the history's trials (a
+    crash counts as the worst value seen), and samples from it. Choices are sampled independently (CMA-ES is
+    continuous)."""
+
+    name = "cmaes"
+
+    def __init__(self, context: Context):
+        super().__init__(context)
+        try:
+            import cmaes  # noqa: F401
+        except ImportError:
+            raise LoopError("the cmaes proposer needs cmaes: pip install 'autoloop[optuna]'") from None
+
+    def study(self, seed: int, trials: list):
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # experimental-feature warnings of source_trials
+            sampler = self.optuna.samplers.CmaEsSampler(seed=seed, warn_independent_sampling=False,
+                                                        source_trials=trials or None)
+        return self.optuna.create_study(direction="minimize", sampler=sampler)

@@ -1,0 +1,102 @@
+"""The surrogate benchmark: the model fits and ranks, the fake train.py is deterministic for a seed and crashes
+as often as it should, and search_quality.py drives the real proposers through the real loop."""
+
+from __future__ import annotations
+
+import math
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "benchmarks" / "surrogate"), str(ROOT / "benchmarks")]
+
+pytest.importorskip("sklearn")
+
+from fake import fake_train  # noqa: E402
+from model import Encoding, Surrogate, fidelity, fit  # noqa: E402
+
+from orchestrator.proposers.random_search import sample  # noqa: E402
+from orchestrator.proposers.space import read_space, rounded  # noqa: E402
+
+SOURCE = (ROOT / "train.py").read_text()
+
+
+def synthetic(n: int, seed: int = 0, noise: float = 0.01):
+    """Configurations of the tiny profile's space and a smooth made-up val_bpb with noise."""
+    space, default = read_space(SOURCE, "tiny")
+    enc = Encoding.from_space(space)
+    centre = enc.row(default)
+    rng = random.Random(seed)
+    configs = [default] + [{n_: rounded(sample(p, rng), p.kind) for n_, p in space.items()} for _ in range(n - 1)]
+    configs += [default] * 3  # repeats of the default: its spread
+    values = [2.0 + sum((a - b) ** 2 for a, b in zip(enc.row(c), centre)) + rng.gauss(0, noise) for c in configs]
+    return space, enc, configs, values
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    space, enc, configs, values = synthetic(60)
+    path = tmp_path_factory.mktemp("surrogate") / "model.npz"
+    fit(configs, values, enc).save(path)
+    return path
+
+
+def test_the_model_ranks_held_out_configurations():
+    space, enc, configs, values = synthetic(60)
+    f = fidelity(configs, values, enc)
+    assert f["spearman"] >= 0.8 and f["configs"] == 60
+    loaded = fit(configs, values, enc)
+    mean, sd, crash = loaded.predict(configs[:2])
+    assert mean[0] < mean[1] and 0.001 < sd[0] < 0.1 and crash.tolist() == [0.0, 0.0]  # no crash seen: none
+
+
+def run_fake(workdir: Path, seed: int) -> str:
+    proc = subprocess.run([sys.executable, "train.py"], cwd=workdir, capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin", "AUTOLOOP_SEED": str(seed)}, timeout=60)
+    if proc.returncode:
+        assert "surrogate: this configuration crashed" in proc.stderr, proc.stderr
+        return "crash"
+    return next(line.split()[1] for line in proc.stdout.splitlines() if line.startswith("val_bpb:"))
+
+
+def test_the_fake_train_py_is_deterministic_for_a_seed_and_crashes_as_often_as_predicted(model, tmp_path):
+    def session(name: str, seed: int, runs: int, path: Path = model) -> list[str]:
+        d = tmp_path / name
+        d.mkdir()
+        (d / "train.py").write_text(fake_train(SOURCE, "tiny", path, d / "seen.json"))
+        return [run_fake(d, seed) for _ in range(runs)]
+
+    a, b, c = session("a", 1, 3), session("b", 1, 3), session("c", 2, 3)
+    assert a == b and a != c  # one sequence per seed
+    assert len(set(a)) == 3  # repeats of one configuration differ (its noise)
+    # a surrogate whose crash model says 30%: 40 runs crash between 4 and 22 times (binomial, p < 1e-3 outside)
+    z = dict(Surrogate.load(model).a)
+    z.update(crash_coef=z["crash_coef"] * 0, crash_intercept=math.log(0.3 / 0.7), crash_seen=True)
+    crashy = tmp_path / "crashy.npz"
+    Surrogate(z, Surrogate.load(model).encoding.dims).save(crashy)
+    outcomes = session("d", 3, 40, crashy)
+    assert 4 <= outcomes.count("crash") <= 22, outcomes.count("crash")
+
+
+def test_the_benchmark_drives_the_real_proposers_through_the_real_loop(model, tmp_path):
+    from search_quality import NOOP, surrogate_session
+
+    from orchestrator.ledger import read_record, read_rows
+    from orchestrator.session import Paths
+
+    for method in ("search", "tpe", NOOP):
+        result = surrogate_session((str(model), "tiny", method, "noise", 0, 12, str(tmp_path)))
+        repo = tmp_path / f"{method.replace(':', '.')}-noise-0" / "repo"
+        rows = read_rows(repo / "results.tsv")
+        assert len(rows) == len(result["best_true"]) == 12  # the real ledger, one row per experiment
+        record = read_record(Paths(repo, "bench").run_dir(4))
+        assert record.gate.get("decision") and record.metrics.get("true_bpb") is not None  # the real gate
+        assert result["best_true"][0] is not None
+        if method == NOOP:  # every edit is a comment: the true value never moves
+            assert len(set(result["best_true"])) == 1 and all(gain == 0 for gain, _ in result["candidates"])
+        else:  # the proposer's edits change the configuration
+            assert any(r.description.count("->") for r in rows[3:]), [r.description for r in rows]
