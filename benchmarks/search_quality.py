@@ -93,7 +93,7 @@ def surrogate_main(args) -> None:
     gates = args.gates.split(",")
     _, default = read_space((ROOT / "train.py").read_text(), args.profile)
     baseline_sd = float(Surrogate.load(args.surrogate).predict([default])[1][0])
-    jobs = [(str(args.surrogate), args.profile, m, g, seed, args.experiments)
+    jobs = [(str(args.surrogate.resolve()), args.profile, m, g, seed, args.experiments)
             for seed in range(args.seeds) for g in gates
             for m in (methods if g == gates[0] else ["search"]) + [NOOP]]
     t0 = time.monotonic()

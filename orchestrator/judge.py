@@ -132,8 +132,8 @@ def decide(state: State, runs: list[Finished], gate: Gate) -> None:
 def select(candidates: list[Finished]) -> None:
     """Of several candidates, the best of those that beat the best or are promising (better, and not hopeless)
     is selected to run again; none is kept now."""
-    eligible = [r for r in candidates if r.record.gate.get("decision") == Decision.KEEP or
-                r.record.gate.get("decision") == Decision.RERUN and r.record.gate.get("delta", 0) > 0]
+    eligible = [r for r in candidates if r.record.gate.get("decision") in (Decision.KEEP, Decision.RERUN)
+                and r.record.gate.get("delta", 0) > 0]
     for run in candidates:
         run.record.gate["decision"] = Decision.DISCARD
     if not eligible:

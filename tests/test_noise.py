@@ -28,7 +28,7 @@ NIGHT = [[2.1645, 2.1582, 2.1454], [2.1218, 2.0651, 1.9881], [2.134, 2.137, 2.10
 TABLE = [
     ([0.90], BASE, TYPICAL, {}, False, "keep", "beats the best"),  # 10 σ better on one run
     ([0.99], BASE, TYPICAL, {}, False, "rerun", "promising"),  # 1 σ better: run again
-    ([1.00], BASE, TYPICAL, {}, False, "rerun", "promising"),  # a no-op's first look: t = 0, not hopeless yet
+    ([1.00], BASE, TYPICAL, {}, False, "discard", "hopeless"),  # exactly the best's mean: nothing to gain
     ([1.01], BASE, TYPICAL, {}, False, "discard", "hopeless"),  # worse: stops at its first run
     ([1.002, 0.998], BASE, TYPICAL, {}, False, "discard", "hopeless"),  # t < 0.5 at run 2: stops early
     ([0.99] * 2 + [0.985] * 4, BASE, TYPICAL, {}, False, "discard", "after 6 run(s)"),  # the cap: decided

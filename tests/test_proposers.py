@@ -131,3 +131,19 @@ def test_search_survives_a_restart(tmp_path):
     run_search(resumed, 10)  # a new proposer instance, rebuilt from results.tsv + records + git
     assert [r.description for r in read_rows(straight / "results.tsv")] == \
            [r.description for r in read_rows(resumed / "results.tsv")]
+
+
+def test_search_learns_each_idea_once_from_its_decided_outcome():
+    """A promising idea's first run reads `discard` in results.tsv while the gate runs it again: search must not
+    learn 'discarded' from it (nor count its repeats as more tries); it learns the final decision."""
+    from orchestrator.ledger import Record
+    from orchestrator.proposers.search import outcomes
+
+    def rec(n, status, decision, group=None):
+        return Record(n=n, status=status, description="x", commit="c", gate={"decision": decision}, group=group)
+
+    pending = [rec(1, "keep", "keep"), rec(2, "discard", "rerun")]
+    assert outcomes(pending) == {1: "keep", 2: None}
+    assert outcomes(pending + [rec(3, "keep", "keep", group=2)])[2] == "keep"
+    assert outcomes(pending + [rec(3, "discard", "discard", group=2)])[2] == "discard"
+    assert outcomes([rec(1, "crash", "")])[1] == "crash"

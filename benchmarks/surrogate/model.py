@@ -1,11 +1,12 @@
 """A surrogate of train.py fitted on real runs (collect.py's CSV): val_bpb, its noise per configuration, and the
 chance of a crash, as a function of the configuration.
 
-- The mean: a Gaussian process (Matérn 5/2 with a length scale per dimension, plus white noise) on each
-  configuration's mean val_bpb, dimensions encoded in their natural scale (log for rates and powers of two,
+- The mean: a Gaussian process (Matérn 5/2 with a length scale per dimension, plus white noise) on the log of
+  each configuration's mean val_bpb (diverged runs reach 30: the log keeps them from flattening the rest), dimensions encoded in their natural scale (log for rates and powers of two,
   one-hot for choices) on [0, 1].
-- The noise: log(sd) linear in the predicted mean, fitted on the configurations run more than once (worse
-  configurations, e.g. high learning rates, are noisier).
+- The noise: log(sd) linear in the log of the predicted mean (slope clipped to [0, 2]), fitted on the
+  configurations run more than once and kept within half the least and twice the largest sd they showed
+  (worse configurations, e.g. high learning rates, are noisier; nothing is extrapolated beyond the repeats).
 - Crashes: a logistic regression on the same encoding.
 
 `fit` needs scikit-learn (the benchmark's extra); `Surrogate.predict` needs numpy only, so the fake train.py
@@ -68,13 +69,14 @@ class Surrogate:
         a = self.a
         d = np.sqrt((((x[:, None, :] - a["X"][None, :, :]) / a["length_scale"]) ** 2).sum(-1)) * math.sqrt(5)
         k = a["amplitude"] * (1 + d + d * d / 3) * np.exp(-d)
-        return a["y_mean"] + a["y_std"] * (k @ a["alpha"])
+        return np.exp(a["y_mean"] + a["y_std"] * (k @ a["alpha"]))
 
     def predict(self, configs: list[dict]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(true val_bpb, its sd between runs, crash probability) for each configuration."""
         x = self.encoding.matrix(configs)
         mean = self._mean(x)
-        sd = np.exp(self.a["sd_coef"][0] + self.a["sd_coef"][1] * (mean - self.a["y_mean"]))
+        sd = np.exp(self.a["sd_coef"][0] + self.a["sd_coef"][1] * (np.log(mean) - self.a["y_mean"]))
+        sd = np.clip(sd, self.a["sd_range"][0], self.a["sd_range"][1])  # no extrapolation beyond the repeats
         logit = x @ self.a["crash_coef"] + self.a["crash_intercept"]
         crash = 1 / (1 + np.exp(-logit)) if self.a["crash_seen"] else np.zeros(len(configs))
         return mean, sd, crash
@@ -126,7 +128,7 @@ def fit(configs: list[dict], values: list[float | None], encoding: Encoding) -> 
     groups = list(group(configs, values).values())
     ok = [g for g in groups if g["values"]]
     x = encoding.matrix([g["config"] for g in ok])
-    y = np.array([np.mean(g["values"]) for g in ok])
+    y = np.log([np.mean(g["values"]) for g in ok])
     y_mean, y_std = float(y.mean()), float(y.std() or 1.0)
     kernel = ConstantKernel(1.0, (1e-3, 1e3)) * Matern(np.ones(x.shape[1]), (1e-2, 1e2), nu=2.5) + \
         WhiteKernel(1e-2, (1e-6, 1.0))
@@ -137,16 +139,20 @@ def fit(configs: list[dict], values: list[float | None], encoding: Encoding) -> 
     # the noise: log sd linear in the mean, on the configurations measured more than once
     rep = [g for g in ok if len(g["values"]) >= 2]
     if len(rep) >= 2:
-        means = np.array([np.mean(g["values"]) for g in rep]) - y_mean
+        means = np.log([np.mean(g["values"]) for g in rep]) - y_mean
         sds = np.array([max(np.std(g["values"], ddof=1), 1e-4) for g in rep])
         slope, intercept = np.polyfit(means, np.log(sds), 1) if np.ptp(means) > 0 else (0.0, np.log(sds).mean())
+        slope = float(np.clip(slope, 0.0, 2.0))  # sd grows with the mean at most as fast as mean**2
+        intercept = float(np.mean(np.log(sds) - slope * means))
         # a sample sd is biased low in the log; the pooled variance sets the level
         pooled = math.sqrt(sum((len(g["values"]) - 1) * np.var(g["values"], ddof=1) for g in rep)
                            / sum(len(g["values"]) - 1 for g in rep))
         fitted = np.exp(intercept + slope * means)
         intercept += math.log(pooled / math.sqrt(np.mean(fitted ** 2)))
+        sd_range = [0.5 * float(sds.min()), 2.0 * float(sds.max())]
     else:
         slope, intercept = 0.0, math.log(max(float(np.std(y)) * 0.05, 1e-4))
+        sd_range = [0.0, math.inf]
     # crashes
     xc = encoding.matrix([g["config"] for g in groups for _ in range(len(g["values"]) + g["crashes"])])
     yc = np.array([1 if i < g["crashes"] else 0 for g in groups for i in range(len(g["values"]) + g["crashes"])])
@@ -157,7 +163,7 @@ def fit(configs: list[dict], values: list[float | None], encoding: Encoding) -> 
         coef, icpt = clf.coef_[0], float(clf.intercept_[0])
     arrays = {"X": x, "alpha": np.asarray(gp.alpha_, dtype=float).ravel(), "length_scale": length,
               "amplitude": np.array(amplitude), "y_mean": np.array(y_mean), "y_std": np.array(y_std),
-              "sd_coef": np.array([intercept, slope]), "crash_coef": coef, "crash_intercept": np.array(icpt),
+              "sd_coef": np.array([intercept, slope]), "sd_range": np.array(sd_range), "crash_coef": coef, "crash_intercept": np.array(icpt),
               "crash_seen": np.array(bool(seen))}
     return Surrogate(arrays, encoding.dims)
 

@@ -89,6 +89,24 @@ def step_value(p: Param, value, direction: int, step: float, rng: random.Random)
     return value
 
 
+def outcomes(history: list[Record]) -> dict[int, str | None]:
+    """Each idea's outcome by its first run's number: keep if any of its runs was kept, crash if its first run
+    crashed, discard once the gate decided, None while it is still being run again (or training)."""
+    out: dict[int, str | None] = {}
+    for rec in history:
+        first = rec.group or rec.n
+        if rec.status not in ("keep", "discard", "crash"):
+            out.setdefault(first, None)
+        elif rec.status == "keep" or out.get(first) == "keep":
+            out[first] = "keep"
+        elif first == rec.n and rec.status == "crash":
+            out[first] = "crash"
+        else:
+            pending = rec.gate.get("decision") in ("rerun", "confirming")
+            out[first] = None if pending else "discard"
+    return out
+
+
 class SearchProposer(Proposer):
     name = "search"
     max_attempts = 400
@@ -100,18 +118,19 @@ class SearchProposer(Proposer):
     def learn(self, space: dict[str, Param], history: list[Record], best: dict) -> tuple[dict[str, Stats], set]:
         stats = {name: Stats(p.kind) for name, p in space.items()}
         tried = set()
+        outcome = outcomes(history)
         for rec, cfg, parent in self.configs.moves(history):
             if rec.cause == "environment" or rec.gate.get("disturbed"):
                 continue  # the machine failed or slowed it, not this configuration: nothing learned, may try again
             tried.add(config_key(cfg))
-            if rec.status not in ("keep", "discard", "crash"):
-                continue  # still training (pipelined): tried, but no result to learn from yet
+            if (rec.group or rec.n) != rec.n or outcome.get(rec.n) is None:
+                continue  # a run again of an idea (learned once, from its first run), or no result yet
             changed = [n for n in space if n in cfg and n in parent and cfg[n] != parent[n]]
             for name in changed:
                 p = space[name]
                 d = _direction(p, parent[name], cfg[name])
-                stats[name].record(rec.status, d, cfg[name], parent[name])
-                if parent == best and rec.status != "keep":
+                stats[name].record(outcome[rec.n], d, cfg[name], parent[name])
+                if parent == best and outcome[rec.n] != "keep":
                     stats[name].failed_from_best.add(d)
         return stats, tried
 

@@ -48,7 +48,11 @@ class TPEProposer(Proposer):
 
     def study(self, seed: int, trials: list):
         """A study that knows the finished trials of the history."""
-        sampler = self.optuna.samplers.TPESampler(seed=seed, constraints_func=constraint_of)
+        import warnings
+
+        with warnings.catch_warnings():  # optuna 5 deprecates constraints_func for set_constraint (not in 4)
+            warnings.simplefilter("ignore", FutureWarning)
+            sampler = self.optuna.samplers.TPESampler(seed=seed, constraints_func=constraint_of)
         study = self.optuna.create_study(direction="minimize", sampler=sampler)
         study.add_trials(trials)
         return study
