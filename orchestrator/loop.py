@@ -21,7 +21,7 @@ from .executors import Executor, make_executor
 from .holdout import due, holdout_check
 from .judge import Finished, decide
 from .ledger import Record
-from .noise import significant_lines
+from .noise import load_statistics, significant_lines
 from .plan import Ideas, plan
 from .progress import Progress
 from .proposers import Context, load
@@ -61,6 +61,7 @@ def run_loop(settings: Settings, echo: Callable[[str], None] = print) -> State:
 
 
 def _session(settings: Settings, echo: Callable[[str], None]) -> State:
+    load_statistics()  # now, not in the middle of a night where a Ctrl-C could land inside the import
     ws = Workspace(settings, echo)
     proposer_cls = load(settings.proposer)
     with Lock(ws.paths.lock), open_executor(settings) as executor, signals(signal.SIGTERM, _terminate):

@@ -134,6 +134,12 @@ class Verdict:
     evidence: dict = field(default_factory=dict)  # the test, its statistic and threshold (record.json gate)
 
 
+def load_statistics() -> None:
+    """Import scipy's statistics (a second or so on a loaded machine): the CLI's other commands start without."""
+    import scipy.special  # noqa: F401
+    import scipy.stats  # noqa: F401
+
+
 def t_quantile(p: float, dof: float) -> float:
     from scipy import stats  # imported on first use: the CLI starts without it
 
