@@ -116,7 +116,7 @@ def main() -> None:
 @click.option("--baseline-repeats", type=click.IntRange(min=0), default=2, show_default=True,
               envvar="AUTOLOOP_BASELINE_REPEATS", show_envvar=True,
               help="Extra runs of the baseline to measure σ (0: none).")
-@click.option("--max-repeats", type=click.IntRange(min=1), default=6, show_default=True,
+@click.option("--max-repeats", type=click.IntRange(min=1), default=10, show_default=True,
               envvar="AUTOLOOP_MAX_REPEATS", show_envvar=True,
               help="Runs of one candidate at most: a promising one runs again until it clears the noise or "
                    "turns hopeless.")

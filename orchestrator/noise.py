@@ -37,7 +37,7 @@ class Gate:
     mode: str = "noise"  # noise | strict (upstream: keep if lower at all)
     alpha: float = 0.015  # the chance, at most, that a change that does nothing is kept (one-sided, all looks)
     min_delta: float = 0.0  # a kept change must also be better by this much, in val_bpb
-    max_repeats: int = 6  # runs of one candidate at most, the first included (its looks)
+    max_repeats: int = 10  # runs of one candidate at most, the first included (its looks)
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,7 @@ def test_a_chosen_tag_refuses_a_changed_session_and_names_every_difference(fake_
                        "--max-experiments", "2")
     assert changed.returncode == 1 and "Traceback" not in changed.stderr
     for part in ("session 't' was started with other settings", "budget 1s (now 2s)", "seed 42 (now 7)",
-                 "gate noise alpha 0.015 looks 6 min 0 (now strict alpha 0.015 looks 6 min 0)", "--tag t-2"):
+                 "gate noise alpha 0.015 looks 10 min 0 (now strict alpha 0.015 looks 10 min 0)", "--tag t-2"):
         assert part in changed.stderr, changed.stderr
     assert len(rows(repo, "t")) == 1  # nothing ran
     same = autoloop(repo, "--tag", "t", "--budget", "1", "--max-experiments", "2")

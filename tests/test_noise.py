@@ -31,8 +31,9 @@ TABLE = [
     ([1.00], BASE, TYPICAL, {}, False, "discard", "hopeless"),  # exactly the best's mean: nothing to gain
     ([1.01], BASE, TYPICAL, {}, False, "discard", "hopeless"),  # worse: stops at its first run
     ([1.002, 0.998], BASE, TYPICAL, {}, False, "discard", "hopeless"),  # t < 0.5 at run 2: stops early
-    ([0.99] * 2 + [0.985] * 4, BASE, TYPICAL, {}, False, "discard", "after 6 run(s)"),  # the cap: decided
-    ([0.97, 0.975, 0.965, 0.97], BASE, TYPICAL, {}, False, "keep", "beats the best"),  # 3 σ, on 4 runs
+    ([0.99] * 2 + [0.985] * 8, BASE, TYPICAL, {}, False, "discard", "after 10 run(s)"),  # the cap: decided
+    ([0.97, 0.975, 0.965, 0.97], BASE, TYPICAL, {}, False, "rerun", "promising"),  # 3 σ, on 4 runs: not yet
+    ([0.97, 0.975, 0.965, 0.97, 0.97], BASE, TYPICAL, {}, False, "keep", "beats the best"),  # on 5 runs
     ([1.005], BASE, TYPICAL, {}, True, "keep", "simplification"),  # shorter and within the noise
     ([1.2], BASE, TYPICAL, {}, True, "discard", "hopeless"),  # shorter but far worse
     ([0.999], BASE, TYPICAL, {"mode": "strict"}, False, "keep", "strict"),

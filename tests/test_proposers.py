@@ -147,3 +147,56 @@ def test_search_learns_each_idea_once_from_its_decided_outcome():
     assert outcomes(pending + [rec(3, "keep", "keep", group=2)])[2] == "keep"
     assert outcomes(pending + [rec(3, "discard", "discard", group=2)])[2] == "discard"
     assert outcomes([rec(1, "crash", "")])[1] == "crash"
+
+
+def test_search_jumps_first_then_mixes_in_local_moves(tmp_path):
+    """The first ideas are the model's global jumps (TPE over every constant); once one was kept, local moves
+    of one or two constants join in. Every idea's record names its move."""
+    from orchestrator.ledger import read_record
+
+    repo = make_fake_repo(tmp_path / "r")
+    run_search(repo, 40)
+    records = [read_record(Paths(repo, "s").run_dir(n)) for n in range(2, 41)]
+    ideas = [r for r in records if r is not None and (r.group or r.n) == r.n]
+    moves = [r.info.get("move") for r in ideas]
+    assert moves[:10] == ["model"] * 10
+    assert any(r.status == "keep" for r in ideas[:moves.index("local")])  # local only once something was kept
+    assert {"model", "local"} <= set(moves[10:])
+    assert all(r.description.count(" -> ") <= 2 for r in ideas if r.info["move"] == "local")
+
+
+def test_search_spends_its_runs_on_the_move_that_pays(tmp_path):
+    """Thompson sampling on keeps per run spent: a move whose ideas keep failing (their runs again included)
+    is chosen rarely, one whose ideas are kept often."""
+    import random
+
+    from orchestrator.ledger import Record
+    from orchestrator.proposers.base import Context
+    from orchestrator.proposers.search import SearchProposer
+
+    search = SearchProposer(Context(repo=make_fake_repo(tmp_path / "r"), tag="s", profile=None))
+
+    def idea(n, move, status, again=0):
+        first = Record(n=n, status=status, description="x", info={"move": move}, gate={"decision": status})
+        return [first] + [Record(n=n + k, status=status, description="x", group=n, gate={"decision": status})
+                          for k in range(1, again + 1)]
+
+    def share(history, move="model"):
+        return sum(search.choose(history, random.Random(i)) == move for i in range(400)) / 400
+
+    start = [Record(n=1, status="keep", description="baseline")]
+    n = 2
+    for k in range(10):
+        start += idea(n, "model", "keep" if k == 3 else "discard")
+        n += 1
+    assert share(start[:6]) == 1.0  # fewer than 10 model ideas: the model alone
+    failing_local = list(start)
+    for _ in range(12):
+        failing_local += idea(n, "local", "discard", again=2)
+        n += 3
+    assert share(failing_local) > 0.8
+    paying_local = list(start)
+    for k in range(12):
+        paying_local += idea(n, "local", "keep" if k % 2 else "discard")
+        n += 1
+    assert share(paying_local, "local") > 0.8

@@ -22,6 +22,7 @@ import argparse
 import json
 import math
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -121,6 +122,7 @@ def group(configs: list[dict], values: list[float | None]) -> dict[str, dict]:
 
 
 def fit(configs: list[dict], values: list[float | None], encoding: Encoding) -> Surrogate:
+    from sklearn.exceptions import ConvergenceWarning
     from sklearn.gaussian_process import GaussianProcessRegressor
     from sklearn.gaussian_process.kernels import ConstantKernel, Matern, WhiteKernel
     from sklearn.linear_model import LogisticRegression
@@ -133,7 +135,9 @@ def fit(configs: list[dict], values: list[float | None], encoding: Encoding) -> 
     kernel = ConstantKernel(1.0, (1e-3, 1e3)) * Matern(np.ones(x.shape[1]), (1e-2, 1e2), nu=2.5) + \
         WhiteKernel(1e-2, (1e-6, 1.0))
     gp = GaussianProcessRegressor(kernel, normalize_y=False, n_restarts_optimizer=2, random_state=0)
-    gp.fit(x, (y - y_mean) / y_std)
+    with warnings.catch_warnings():  # a length scale at its upper bound: the data show no effect of that dimension
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        gp.fit(x, (y - y_mean) / y_std)
     k = gp.kernel_
     amplitude, length = float(k.k1.k1.constant_value), np.asarray(k.k1.k2.length_scale, dtype=float)
     # the noise: log sd linear in the mean, on the configurations measured more than once

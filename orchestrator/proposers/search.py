@@ -1,6 +1,15 @@
-"""`search` (the default): an adaptive local search over train.py's constants that learns from the history.
+"""`search` (the default): a hybrid search over train.py's constants that learns from the history.
 
-Each proposal moves one constant (sometimes two) away from the current best:
+Each idea comes from one of two moves:
+- model: optuna's multivariate TPE over the whole space, fitted to every configuration tried (its mean over
+  runs; a crash is a failed constraint, so it learns where configurations crash): global jumps that find
+  the right region (model size for the budget, batch size);
+- local: an adaptive move of the current best, below: small steps that refine it.
+The model proposes alone until it has made STARTUP ideas and something beat the baseline. From then on a
+bandit picks the move (Thompson sampling on each move's keeps per run spent), so the night spends its runs
+on whichever move is paying off: on a default far from its optimum the jumps, near it the small steps.
+
+A local move changes one constant (sometimes two) of the current best:
 - which constant: drawn in proportion to how often moving it paid off (untried ones, and learning rates and
   schedules before sizes, start ahead); after a kept move, usually the same constant again, further;
 - which way: keep going where a move was kept, turn around where it was discarded;
@@ -8,8 +17,10 @@ Each proposal moves one constant (sometimes two) away from the current best:
   (floats move multiplicatively in log space, powers of two by doublings, other ints by steps, strings
   among their declared choices);
 - never a configuration that was already tried, and never into a region where moving that constant crashed
-  (e.g. ran out of memory) from a smaller or equal value.
+  (e.g. ran out of memory) from a smaller or equal value. A model jump that crashed closes the region
+  beyond it for each constant it moved, and the model's jumps are held to these regions too.
 
+After a kept local move, the next one usually pushes the same constants further the same way (pattern search).
 All of it is rebuilt from the history (train.py at each tried commit, and each row's status) on every call,
 so it survives restarts and proposes the same next idea after a resume.
 """
@@ -23,11 +34,14 @@ from pathlib import Path
 from ..ledger import Record
 from .base import Context, Proposal, Proposer
 from .space import Configs, Param, apply_changes, config_key, describe, read_space, rounded
+from .tpe import ask, finished_trials, tpe_study
 
 INITIAL_STEP = {"log": 0.4, "linear": 0.15, "pow2": 1.0, "int": 0.25, "unit": 0.5, "choice": 1.0}
 MIN_STEP = {"log": 0.05, "linear": 0.02, "pow2": 1.0, "int": 0.05, "unit": 0.1, "choice": 1.0}
 MAX_STEP = {"log": 1.5, "linear": 0.5, "pow2": 2.0, "int": 1.0, "unit": 1.5, "choice": 1.0}
 GROW, SHRINK, CRASH_SHRINK = 1.6, 0.75, 0.6
+MOVES = ("model", "local")
+STARTUP = 10  # ideas from the model before any local move (as many as TPE samples at random to start)
 
 
 # Before any evidence, rates and schedule constants are the likeliest wins and the cheapest to try; sizes
@@ -60,11 +74,17 @@ class Stats:
             self.step = min(self.step * GROW, MAX_STEP[self.kind])
         else:
             self.step = max(self.step * (CRASH_SHRINK if outcome == "crash" else SHRINK), MIN_STEP[self.kind])
-        if outcome == "crash" and self.kind != "choice" and direction:
-            if direction > 0:
-                self.crash_above = value if self.crash_above is None else min(self.crash_above, value)
-            else:
-                self.crash_below = value if self.crash_below is None else max(self.crash_below, value)
+        if outcome == "crash":
+            self.crashed(direction, value)
+
+    def crashed(self, direction: int, value) -> None:
+        """Moving this way to `value` crashed: beyond it is closed (from the best onwards)."""
+        if self.kind == "choice" or not direction:
+            return
+        if direction > 0:
+            self.crash_above = value if self.crash_above is None else min(self.crash_above, value)
+        else:
+            self.crash_below = value if self.crash_below is None else max(self.crash_below, value)
 
 
 def _direction(p: Param, before, after) -> int:
@@ -126,6 +146,10 @@ class SearchProposer(Proposer):
             if (rec.group or rec.n) != rec.n or outcome.get(rec.n) is None:
                 continue  # a run again of an idea (learned once, from its first run), or no result yet
             changed = [n for n in space if n in cfg and n in parent and cfg[n] != parent[n]]
+            if len(changed) > 2:  # a model jump: it says nothing about one constant's step...
+                for name in changed if outcome[rec.n] == "crash" else ():  # ...but each moved constant may crash
+                    stats[name].crashed(_direction(space[name], parent[name], cfg[name]), cfg[name])
+                continue
             for name in changed:
                 p = space[name]
                 d = _direction(p, parent[name], cfg[name])
@@ -169,10 +193,46 @@ class SearchProposer(Proposer):
         stats, tried = self.learn(space, history, best)
         tried.add(config_key(best))
         rng = random.Random(f"{self.context.seed}:{len(history)}")  # the same proposal after a resume
-        names = list(space)
         push = self.momentum(space, history, best, stats, tried, rng)
         if push is not None:
-            return self.write(path, source, best, push)
+            return self.write(path, source, best, push, "local")
+        if self.choose(history, rng) == "model":
+            changes = self.model(space, best, history, tried,
+                                 lambda c: all(self.allowed(space[n], stats[n], v, best[n]) for n, v in c.items()))
+            if changes:
+                return self.write(path, source, best, changes, "model")
+        changes = self.local(space, best, history, stats, tried, rng)
+        return self.write(path, source, best, changes, "local") if changes else None
+
+    def choose(self, history: list[Record], rng: random.Random) -> str:
+        """Which move proposes next. The model alone until it has made STARTUP ideas and some idea beat the
+        baseline (the global picture first; nothing to refine before). Then Thompson sampling on each move's
+        keeps per run spent (the runs again of its ideas included: a move whose ideas need many runs to
+        decide costs more), the model given one keep up front."""
+        move_of = {rec.n: rec.info.get("move") for rec in history}
+        outcome = outcomes(history)
+        if sum(move == "model" for move in move_of.values()) < STARTUP or \
+                not any(outcome.get(n) == "keep" for n, move in move_of.items() if move in MOVES):
+            return "model"
+        keeps = {"model": 2, "local": 1}
+        runs = {m: 1 for m in MOVES}
+        for rec in history:
+            move = move_of.get(rec.group or rec.n)
+            if move in runs:
+                runs[move] += 1
+                keeps[move] += (rec.group or rec.n) == rec.n and outcome.get(rec.n) == "keep"
+        return max(MOVES, key=lambda m: rng.betavariate(keeps[m], runs[m]))
+
+    def model(self, space: dict[str, Param], best: dict, history: list[Record], tried: set, allowed) -> dict | None:
+        import optuna
+
+        moves = [(rec, cfg) for rec, cfg, _ in self.configs.moves(history)
+                 if rec.cause != "environment" and not rec.gate.get("disturbed")]
+        study = tpe_study(self.context.seed + len(history), finished_trials(optuna, space, moves), multivariate=True)
+        return ask(study, space, best, tried, allowed)
+
+    def local(self, space, best, history, stats, tried, rng) -> dict | None:
+        names = list(space)
         for attempt in range(self.max_attempts):
             count = 2 if len(history) > len(names) and rng.random() < 0.2 or attempt > self.max_attempts // 2 else 1
             chosen = []
@@ -196,13 +256,13 @@ class SearchProposer(Proposer):
                     stats[name].step = min(stats[name].step * 1.3, MAX_STEP[space[name].kind])
                     stats[name].tries = max(stats[name].tries, 1)
                 continue
-            return self.write(path, source, best, changes)
+            return changes
         return None
 
     def momentum(self, space, history, best, stats, tried, rng) -> dict | None:
-        """After a kept move, usually push the same constants further the same way (pattern search)."""
+        """After a kept local move, usually push the same constants further the same way (pattern search)."""
         moves = self.configs.moves([r for r in history if r.status != "running"][-1:])
-        if not moves or moves[0][0].status != "keep" or rng.random() > 0.7:
+        if not moves or moves[0][0].status != "keep" or moves[0][0].info.get("move") == "model" or rng.random() > 0.7:
             return None
         _, cfg, parent = moves[0]
         changes = {}
@@ -219,6 +279,6 @@ class SearchProposer(Proposer):
             return None
         return changes
 
-    def write(self, path: Path, source: str, best: dict, changes: dict) -> Proposal:
+    def write(self, path: Path, source: str, best: dict, changes: dict, move: str) -> Proposal:
         path.write_text(apply_changes(source, self.context.profile, changes))
-        return Proposal(describe(best, changes), {"changes": {k: repr(v) for k, v in changes.items()}})
+        return Proposal(describe(best, changes), {"changes": {k: repr(v) for k, v in changes.items()}, "move": move})

@@ -1,4 +1,5 @@
-"""`tpe`: optuna's TPE sampler over the same space as `search` (needs the `optuna` extra)."""
+"""`tpe` and `cmaes`: optuna's TPE and CMA-ES samplers over the same space as `search` (baselines for it; the
+model move of `search` is built from the same pieces)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def crashed(rec: Record) -> bool:
 
 
 class TPEProposer(Proposer):
-    """Rebuilds an in-memory optuna study from the history on every call, then asks TPE for the next point.
+    """Rebuilds an in-memory optuna study from the history on every call (one trial per configuration tried: its
+    mean over runs), then asks TPE for the next point.
     A crashed configuration is not dropped: it is a trial that violates a constraint (optuna's constrained
     TPE), so TPE learns where configurations crash."""
 
@@ -38,57 +40,86 @@ class TPEProposer(Proposer):
 
     def __init__(self, context: Context):
         super().__init__(context)
-        try:
-            import optuna
-        except ImportError:
-            raise LoopError(f"the {self.name} proposer needs optuna: pip install 'autoloop[optuna]'") from None
+        import optuna
+
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         self.optuna = optuna
         self.configs = Configs(context.repo, context.profile)
 
     def study(self, seed: int, trials: list):
         """A study that knows the finished trials of the history."""
-        import warnings
-
-        with warnings.catch_warnings():  # optuna 5 deprecates constraints_func for set_constraint (not in 4)
-            warnings.simplefilter("ignore", FutureWarning)
-            sampler = self.optuna.samplers.TPESampler(seed=seed, constraints_func=constraint_of)
-        study = self.optuna.create_study(direction="minimize", sampler=sampler)
-        study.add_trials(trials)
-        return study
+        return tpe_study(seed, trials)
 
     def propose(self, workdir: Path, history: list[Record]) -> Proposal | None:
-        optuna = self.optuna
         path = workdir / "train.py"
         source = path.read_text()
         space, best = read_space(source, self.context.profile)
-        dists = {name: distribution(p) for name, p in space.items()}
-        trials = []
-        tried = {config_key(best)}
         moves = [(rec, cfg) for rec, cfg, _ in self.configs.moves(history)]
-        worst = max((rec.val_bpb for rec, _ in moves if not crashed(rec)), default=None)
-        for rec, cfg in moves:
-            tried.add(config_key(cfg))
-            if rec.status not in ("keep", "discard", "crash"):
-                continue  # still training
-            params = {n: cfg[n] for n in space if n in cfg and dists[n]._contains(dists[n].to_internal_repr(cfg[n]))}
-            if crashed(rec) and worst is None:
-                continue  # nothing to rank a crash against yet
-            trials.append(optuna.trial.create_trial(
-                params=params, distributions={n: dists[n] for n in params},
-                value=worst if crashed(rec) else rec.val_bpb, state=optuna.trial.TrialState.COMPLETE,
-                user_attrs={"constraint": [1.0 if crashed(rec) else 0.0]}))
-        study = self.study(self.context.seed + len(history), trials)
-        for _ in range(50):
-            trial = study.ask(dists)
-            config = {n: rounded(v, space[n].kind) for n, v in trial.params.items()}
-            changes = {k: v for k, v in config.items() if v != best[k] and not (isinstance(v, float) and
-                                                                                 math.isclose(v, best[k]))}
-            study.tell(trial, state=optuna.trial.TrialState.FAIL)  # placeholder; the real result comes later
-            if changes and config_key({**best, **changes}) not in tried:
-                path.write_text(apply_changes(source, self.context.profile, changes))
-                return Proposal(describe(best, changes))
-        return None
+        study = self.study(self.context.seed + len(history), finished_trials(self.optuna, space, moves))
+        changes = ask(study, space, best, {config_key(best)} | {config_key(cfg) for _, cfg in moves})
+        if changes is None:
+            return None
+        path.write_text(apply_changes(source, self.context.profile, changes))
+        return Proposal(describe(best, changes))
+
+
+def tpe_study(seed: int, trials: list, multivariate: bool | None = None):
+    """An in-memory TPE study holding `trials`; crashes are failed constraints. multivariate None: optuna's
+    default (independent sampling in 4, multivariate in 5)."""
+    import warnings
+
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    with warnings.catch_warnings():  # constraints_func is deprecated in optuna 5; multivariate experimental in 4
+        warnings.simplefilter("ignore")
+        options = {} if multivariate is None else {"multivariate": multivariate}
+        sampler = optuna.samplers.TPESampler(seed=seed, constraints_func=constraint_of, **options)
+    study = optuna.create_study(direction="minimize", sampler=sampler)
+    study.add_trials(trials)
+    return study
+
+
+def finished_trials(optuna, space: dict[str, Param], moves: list[tuple[Record, dict]]) -> list:
+    """The history as optuna trials, one per configuration tried: its mean val_bpb over its runs, or, when
+    its first run crashed, the worst value seen with a failed constraint (so TPE learns where crashes are)."""
+    dists = {name: distribution(p) for name, p in space.items()}
+    runs: dict[tuple, list] = {}
+    configs: dict[tuple, dict] = {}
+    for rec, cfg in moves:
+        if rec.status in ("keep", "discard", "crash"):  # not still training
+            configs.setdefault(config_key(cfg), cfg)
+            runs.setdefault(config_key(cfg), []).append(None if crashed(rec) else rec.val_bpb)
+    worst = max((v for values in runs.values() for v in values if v is not None), default=None)
+    trials = []
+    for key, values in runs.items():
+        cfg, scored = configs[key], [v for v in values if v is not None]
+        if values[0] is None and worst is None:
+            continue  # nothing to rank a crash against yet
+        params = {n: cfg[n] for n in space if n in cfg and dists[n]._contains(dists[n].to_internal_repr(cfg[n]))}
+        failed = values[0] is None or not scored
+        trials.append(optuna.trial.create_trial(
+            params=params, distributions={n: dists[n] for n in params},
+            value=worst if failed else sum(scored) / len(scored), state=optuna.trial.TrialState.COMPLETE,
+            user_attrs={"constraint": [1.0 if failed else 0.0]}))
+    return trials
+
+
+def ask(study, space: dict[str, Param], best: dict, tried: set, allowed=None) -> dict | None:
+    """The changes to the best that the study's sampler proposes next (an untried configuration that
+    `allowed(changes)` accepts, when given), or None."""
+    import optuna
+
+    dists = {name: distribution(p) for name, p in space.items()}
+    for _ in range(50):
+        trial = study.ask(dists)
+        config = {n: rounded(v, space[n].kind) for n, v in trial.params.items()}
+        changes = {k: v for k, v in config.items() if v != best[k] and not (isinstance(v, float) and
+                                                                             math.isclose(v, best[k]))}
+        study.tell(trial, state=optuna.trial.TrialState.FAIL)  # a placeholder; the real result comes later
+        if changes and config_key({**best, **changes}) not in tried and (allowed is None or allowed(changes)):
+            return changes
+    return None
 
 
 def constraint_of(trial) -> list[float]:
@@ -109,7 +140,7 @@ class CMAESProposer(TPEProposer):
         try:
             import cmaes  # noqa: F401
         except ImportError:
-            raise LoopError("the cmaes proposer needs cmaes: pip install 'autoloop[optuna]'") from None
+            raise LoopError("the cmaes proposer needs cmaes: pip install 'autoloop[cmaes]'") from None
 
     def study(self, seed: int, trials: list):
         import warnings

@@ -1,0 +1,76 @@
+"""The keep gate's false-keep rate and power, simulated with its own code (orchestrator/noise.py).
+
+Each candidate has normal noise (σ = 1) and a true gain (0: a no-op; 2: a real gain of 2 σ; -1: worse) over a
+best measured `--best-runs` times, with `--others` other configurations of 2-3 runs measured (they give the
+reference spread). Runs are allocated as the loop does: after each look the gate keeps, discards, or asks for
+another run, of the candidate or of the best (`parent_first`). Prints, per setting, how often each kind of
+candidate is kept and the runs it cost.
+
+    python benchmarks/gate_power.py                                   # the default gate
+    python benchmarks/gate_power.py --looks 6 8 10 --spend 2 3        # a grid
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from orchestrator import noise  # noqa: E402
+from orchestrator.noise import Gate, judge, parent_first  # noqa: E402
+
+
+def candidate(gain: float, gate: Gate, rng: random.Random, others: int, best_runs: int) -> tuple[bool, int]:
+    """One candidate judged to the end: (kept, runs spent on it and on the best)."""
+    best = [rng.gauss(0, 1) for _ in range(best_runs)]
+    other = [[rng.gauss(0, 1) for _ in range(rng.choice([2, 3]))] for _ in range(others)]
+    runs = [rng.gauss(-gain, 1)]
+    while True:
+        verdict = judge(runs, best, other, gate, False)
+        if verdict.decision != "rerun":
+            return verdict.decision == "keep", len(runs) + len(best) - best_runs
+        if parent_first(runs, best, other):
+            best.append(rng.gauss(0, 1))
+        else:
+            runs.append(rng.gauss(-gain, 1))
+
+
+def rate(gain: float, gate: Gate, n: int, others: int, best_runs: int, seed: int) -> tuple[float, float]:
+    rng = random.Random(seed)
+    results = [candidate(gain, gate, rng, others, best_runs) for _ in range(n)]
+    return sum(k for k, _ in results) / n, statistics.fmean(r for _, r in results)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--looks", type=int, nargs="+", default=[Gate().max_repeats], help="--max-repeats values")
+    ap.add_argument("--spend", type=float, nargs="+", default=[noise.SPEND], help="look k's share grows as k**SPEND")
+    ap.add_argument("--futility", default=",".join(map(str, noise.FUTILITY)), help="t bounds at looks 1, 2, 3+")
+    ap.add_argument("--others", type=int, nargs="+", default=[0, 5], help="other configurations measured")
+    ap.add_argument("--best-runs", type=int, default=3)
+    ap.add_argument("--null", type=int, default=2000, help="no-op candidates per cell")
+    ap.add_argument("--gains", type=int, default=1000, help="2 σ gains per cell")
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args()
+    noise.FUTILITY = tuple(float(x) for x in args.futility.split(","))
+    print(f"futility {noise.FUTILITY}, false-keep rate {Gate().alpha}, best measured {args.best_runs} times")
+    print(f"{'looks':>5s} {'spend':>5s} {'others':>6s} {'no-op kept':>18s} {'2σ gain kept':>18s} {'worse costs':>12s}")
+    for looks in args.looks:
+        for spend in args.spend:
+            noise.SPEND = spend
+            gate = Gate(max_repeats=looks)
+            for others in args.others:
+                null, null_runs = rate(0.0, gate, args.null, others, args.best_runs, args.seed)
+                power, power_runs = rate(2.0, gate, args.gains, others, args.best_runs, args.seed)
+                _, worse_runs = rate(-1.0, gate, 300, others, args.best_runs, args.seed)
+                print(f"{looks:5d} {spend:5g} {others:6d} {100 * null:8.1f}% ({null_runs:.1f} runs) "
+                      f"{100 * power:8.1f}% ({power_runs:.1f} runs) {worse_runs:7.1f} runs", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
