@@ -178,8 +178,8 @@ def test_search_spends_its_runs_on_the_move_that_pays(tmp_path):
 
     def idea(n, move, status, again=0):
         first = Record(n=n, status=status, description="x", info={"move": move}, gate={"decision": status})
-        return [first] + [Record(n=n + k, status=status, description="x", group=n, gate={"decision": status})
-                          for k in range(1, again + 1)]
+        return [first] + [Record(n=n + k, status=status, description="x", group=n, gate={"decision": status},
+                                 info={"move": move, "repeat": k + 1}) for k in range(1, again + 1)]
 
     def share(history, move="model"):
         return sum(search.choose(history, random.Random(i)) == move for i in range(400)) / 400
@@ -190,6 +190,9 @@ def test_search_spends_its_runs_on_the_move_that_pays(tmp_path):
         start += idea(n, "model", "keep" if k == 3 else "discard")
         n += 1
     assert share(start[:6]) == 1.0  # fewer than 10 model ideas: the model alone
+    nothing_kept = [start[0]] + [r for k in range(2, 12) for r in idea(k, "model", "discard", again=1)]
+    assert share(nothing_kept) == 1.0  # nothing to refine yet (runs again are not ideas)
+    assert share(nothing_kept + [r for k in range(30, 40) for r in idea(k, "model", "discard")]) < 1.0
     failing_local = list(start)
     for _ in range(12):
         failing_local += idea(n, "local", "discard", again=2)
@@ -200,3 +203,26 @@ def test_search_spends_its_runs_on_the_move_that_pays(tmp_path):
         paying_local += idea(n, "local", "keep" if k % 2 else "discard")
         n += 1
     assert share(paying_local, "local") > 0.8
+
+
+def test_search_proposes_the_same_idea_after_a_restart_past_its_start_up(tmp_path):
+    """Two fresh instances on the same history (local moves, the bandit and TPE all in play) propose the same
+    edit: the state is rebuilt from the history, the randomness seeded by it."""
+    import shutil
+
+    from orchestrator.ledger import read_record
+    from orchestrator.proposers.base import Context
+    from orchestrator.proposers.search import SearchProposer
+
+    repo = make_fake_repo(tmp_path / "r")
+    run_search(repo, 30)
+    history = [r for r in (read_record(Paths(repo, "s").run_dir(n)) for n in range(1, 31)) if r is not None]
+    assert {"model", "local"} <= {r.info.get("move") for r in history}
+    proposals = []
+    for k in range(2):
+        work = tmp_path / f"w{k}"
+        work.mkdir()
+        shutil.copy(repo / "train.py", work / "train.py")
+        proposal = SearchProposer(Context(repo=repo, tag="s", profile=None)).propose(work, history)
+        proposals.append((proposal.description, proposal.info["move"], (work / "train.py").read_text()))
+    assert proposals[0] == proposals[1]

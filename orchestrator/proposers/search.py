@@ -5,9 +5,10 @@ Each idea comes from one of two moves:
   runs; a crash is a failed constraint, so it learns where configurations crash): global jumps that find
   the right region (model size for the budget, batch size);
 - local: an adaptive move of the current best, below: small steps that refine it.
-The model proposes alone until it has made STARTUP ideas and something beat the baseline. From then on a
-bandit picks the move (Thompson sampling on each move's keeps per run spent), so the night spends its runs
-on whichever move is paying off: on a default far from its optimum the jumps, near it the small steps.
+The model proposes alone for its first STARTUP ideas, and on until an idea beat the baseline or it made twice
+as many. From then on a bandit picks the move (Thompson sampling on each move's keeps per run spent), so the
+night spends its runs on whichever move is paying off: on a default far from its optimum the jumps, near it
+the small steps.
 
 A local move changes one constant (sometimes two) of the current best:
 - which constant: drawn in proportion to how often moving it paid off (untried ones, and learning rates and
@@ -18,7 +19,7 @@ A local move changes one constant (sometimes two) of the current best:
   among their declared choices);
 - never a configuration that was already tried, and never into a region where moving that constant crashed
   (e.g. ran out of memory) from a smaller or equal value. A model jump that crashed closes the region
-  beyond it for each constant it moved, and the model's jumps are held to these regions too.
+  beyond each size it grew (out of memory is a jump's usual crash), and the jumps are held to these regions.
 
 After a kept local move, the next one usually pushes the same constants further the same way (pattern search).
 All of it is rebuilt from the history (train.py at each tried commit, and each row's status) on every call,
@@ -31,10 +32,11 @@ import math
 import random
 from pathlib import Path
 
+from .. import LoopError
 from ..ledger import Record
 from .base import Context, Proposal, Proposer
 from .space import Configs, Param, apply_changes, config_key, describe, read_space, rounded
-from .tpe import ask, finished_trials, tpe_study
+from .tpe import ask, finished_trials, learnable, tpe_study
 
 INITIAL_STEP = {"log": 0.4, "linear": 0.15, "pow2": 1.0, "int": 0.25, "unit": 0.5, "choice": 1.0}
 MIN_STEP = {"log": 0.05, "linear": 0.02, "pow2": 1.0, "int": 0.05, "unit": 0.1, "choice": 1.0}
@@ -46,8 +48,9 @@ STARTUP = 10  # ideas from the model before any local move (as many as TPE sampl
 
 # Before any evidence, rates and schedule constants are the likeliest wins and the cheapest to try; sizes
 # (which also change speed and memory) come next; anything else after. Evidence quickly outweighs this.
+SIZES = 1.0
 PRIORS = ((("LR", "RATE"), 3.0), (("WARMUP", "WARMDOWN", "DECAY", "MOMENTUM", "BETA", "FRAC", "CAP"), 2.0),
-          (("DEPTH", "DIM", "RATIO", "BATCH", "WIDTH", "HEAD"), 1.0))
+          (("DEPTH", "DIM", "RATIO", "BATCH", "WIDTH", "HEAD"), SIZES))
 
 
 def prior(name: str) -> float:
@@ -134,21 +137,28 @@ class SearchProposer(Proposer):
     def __init__(self, context: Context):
         super().__init__(context)
         self.configs = Configs(context.repo, context.profile)
+        try:
+            import optuna  # noqa: F401  (the model move)
+        except ImportError:
+            raise LoopError("search needs optuna, a dependency of autoloop: reinstall it (pip install -e .)") from None
 
     def learn(self, space: dict[str, Param], history: list[Record], best: dict) -> tuple[dict[str, Stats], set]:
         stats = {name: Stats(p.kind) for name, p in space.items()}
         tried = set()
         outcome = outcomes(history)
         for rec, cfg, parent in self.configs.moves(history):
-            if rec.cause == "environment" or rec.gate.get("disturbed"):
+            if rec.status != "running" and not learnable(rec):
                 continue  # the machine failed or slowed it, not this configuration: nothing learned, may try again
             tried.add(config_key(cfg))
             if (rec.group or rec.n) != rec.n or outcome.get(rec.n) is None:
                 continue  # a run again of an idea (learned once, from its first run), or no result yet
             changed = [n for n in space if n in cfg and n in parent and cfg[n] != parent[n]]
-            if len(changed) > 2:  # a model jump: it says nothing about one constant's step...
-                for name in changed if outcome[rec.n] == "crash" else ():  # ...but each moved constant may crash
-                    stats[name].crashed(_direction(space[name], parent[name], cfg[name]), cfg[name])
+            if rec.info.get("move") == "model" or len(changed) > 2:
+                # a jump says nothing about one constant's step; a crash closes only what a jump's crash
+                # usually is, out of memory: the region beyond each size it grew
+                for name in changed if outcome[rec.n] == "crash" else ():
+                    if prior(name) == SIZES and _direction(space[name], parent[name], cfg[name]) > 0:
+                        stats[name].crashed(1, cfg[name])
                 continue
             for name in changed:
                 p = space[name]
@@ -205,29 +215,30 @@ class SearchProposer(Proposer):
         return self.write(path, source, best, changes, "local") if changes else None
 
     def choose(self, history: list[Record], rng: random.Random) -> str:
-        """Which move proposes next. The model alone until it has made STARTUP ideas and some idea beat the
-        baseline (the global picture first; nothing to refine before). Then Thompson sampling on each move's
-        keeps per run spent (the runs again of its ideas included: a move whose ideas need many runs to
-        decide costs more), the model given one keep up front."""
-        move_of = {rec.n: rec.info.get("move") for rec in history}
+        """Which move proposes next. The model alone for its first STARTUP ideas, and on until an idea beat
+        the baseline (nothing to refine before) or it has made twice as many. Then Thompson sampling on each
+        move's keep rate per run spent: a Beta posterior (one keep in two runs for the model up front, one in
+        three for local) updated with its ideas' keeps and all its runs, the runs again of its ideas included
+        (a move whose ideas need many runs to decide costs more)."""
         outcome = outcomes(history)
-        if sum(move == "model" for move in move_of.values()) < STARTUP or \
-                not any(outcome.get(n) == "keep" for n, move in move_of.items() if move in MOVES):
+        first = [rec for rec in history if (rec.group or rec.n) == rec.n]
+        model_ideas = sum(rec.info.get("move") == "model" for rec in first)
+        kept = any(outcome.get(rec.n) == "keep" for rec in first[1:])
+        if model_ideas < STARTUP or not kept and model_ideas < 2 * STARTUP:
             return "model"
-        keeps = {"model": 2, "local": 1}
-        runs = {m: 1 for m in MOVES}
+        keeps, misses = {"model": 1, "local": 1}, {"model": 1, "local": 2}
         for rec in history:
-            move = move_of.get(rec.group or rec.n)
-            if move in runs:
-                runs[move] += 1
-                keeps[move] += (rec.group or rec.n) == rec.n and outcome.get(rec.n) == "keep"
-        return max(MOVES, key=lambda m: rng.betavariate(keeps[m], runs[m]))
+            move = rec.info.get("move")  # runs again of an idea carry its move; runs of the best carry none
+            if move in keeps and rec.cause != "environment":
+                won = (rec.group or rec.n) == rec.n and outcome.get(rec.n) == "keep"
+                keeps[move] += won
+                misses[move] += not won
+        return max(MOVES, key=lambda m: rng.betavariate(keeps[m], misses[m]))
 
     def model(self, space: dict[str, Param], best: dict, history: list[Record], tried: set, allowed) -> dict | None:
         import optuna
 
-        moves = [(rec, cfg) for rec, cfg, _ in self.configs.moves(history)
-                 if rec.cause != "environment" and not rec.gate.get("disturbed")]
+        moves = [(rec, cfg) for rec, cfg, _ in self.configs.moves(history)]
         study = tpe_study(self.context.seed + len(history), finished_trials(optuna, space, moves), multivariate=True)
         return ask(study, space, best, tried, allowed)
 

@@ -56,7 +56,8 @@ class TPEProposer(Proposer):
         space, best = read_space(source, self.context.profile)
         moves = [(rec, cfg) for rec, cfg, _ in self.configs.moves(history)]
         study = self.study(self.context.seed + len(history), finished_trials(self.optuna, space, moves))
-        changes = ask(study, space, best, {config_key(best)} | {config_key(cfg) for _, cfg in moves})
+        tried = {config_key(best)} | {config_key(cfg) for rec, cfg in moves if rec.cause != "environment"}
+        changes = ask(study, space, best, tried)
         if changes is None:
             return None
         path.write_text(apply_changes(source, self.context.profile, changes))
@@ -73,11 +74,27 @@ def tpe_study(seed: int, trials: list, multivariate: bool | None = None):
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     with warnings.catch_warnings():  # constraints_func is deprecated in optuna 5; multivariate experimental in 4
         warnings.simplefilter("ignore")
-        options = {} if multivariate is None else {"multivariate": multivariate}
+        options = {} if multivariate is None else {"multivariate": multivariate, "warn_independent_sampling": False}
         sampler = optuna.samplers.TPESampler(seed=seed, constraints_func=constraint_of, **options)
     study = optuna.create_study(direction="minimize", sampler=sampler)
     study.add_trials(trials)
     return study
+
+
+def fits(dist, value) -> bool:
+    """Is value one the distribution can hold? (A queued idea or a hand edit may have set a choice that is no
+    longer declared, or a value outside today's range: that parameter is left out of the trial.)"""
+    try:
+        return dist._contains(dist.to_internal_repr(value))
+    except (ValueError, TypeError):
+        return False
+
+
+def learnable(rec: Record) -> bool:
+    """A finished run whose result says something about its configuration: not still training, and not a
+    crash or slowdown of the machine (cause environment, disturbed), which may be tried again."""
+    return rec.status in ("keep", "discard", "crash") and rec.cause != "environment" and \
+        not rec.gate.get("disturbed")
 
 
 def finished_trials(optuna, space: dict[str, Param], moves: list[tuple[Record, dict]]) -> list:
@@ -87,7 +104,7 @@ def finished_trials(optuna, space: dict[str, Param], moves: list[tuple[Record, d
     runs: dict[tuple, list] = {}
     configs: dict[tuple, dict] = {}
     for rec, cfg in moves:
-        if rec.status in ("keep", "discard", "crash"):  # not still training
+        if learnable(rec):
             configs.setdefault(config_key(cfg), cfg)
             runs.setdefault(config_key(cfg), []).append(None if crashed(rec) else rec.val_bpb)
     worst = max((v for values in runs.values() for v in values if v is not None), default=None)
@@ -96,13 +113,22 @@ def finished_trials(optuna, space: dict[str, Param], moves: list[tuple[Record, d
         cfg, scored = configs[key], [v for v in values if v is not None]
         if values[0] is None and worst is None:
             continue  # nothing to rank a crash against yet
-        params = {n: cfg[n] for n in space if n in cfg and dists[n]._contains(dists[n].to_internal_repr(cfg[n]))}
+        params = {n: cfg[n] for n in space if n in cfg and fits(dists[n], cfg[n])}
         failed = values[0] is None or not scored
         trials.append(optuna.trial.create_trial(
             params=params, distributions={n: dists[n] for n in params},
             value=worst if failed else sum(scored) / len(scored), state=optuna.trial.TrialState.COMPLETE,
             user_attrs={"constraint": [1.0 if failed else 0.0]}))
     return trials
+
+
+def as_declared(p: Param, value):
+    """A sampled value as train.py will hold it: rounded floats, powers of two for a power-of-two constant
+    (its distribution is the integers on a log scale)."""
+    if p.kind == "pow2":
+        low, high = math.ceil(math.log2(max(p.low or 1, 1))), math.floor(math.log2(max(p.high or value, 1)))
+        return 2 ** min(max(round(math.log2(max(value, 1))), low), max(low, high))
+    return rounded(value, p.kind)
 
 
 def ask(study, space: dict[str, Param], best: dict, tried: set, allowed=None) -> dict | None:
@@ -113,7 +139,7 @@ def ask(study, space: dict[str, Param], best: dict, tried: set, allowed=None) ->
     dists = {name: distribution(p) for name, p in space.items()}
     for _ in range(50):
         trial = study.ask(dists)
-        config = {n: rounded(v, space[n].kind) for n, v in trial.params.items()}
+        config = {n: as_declared(space[n], v) for n, v in trial.params.items()}
         changes = {k: v for k, v in config.items() if v != best[k] and not (isinstance(v, float) and
                                                                              math.isclose(v, best[k]))}
         study.tell(trial, state=optuna.trial.TrialState.FAIL)  # a placeholder; the real result comes later
@@ -128,7 +154,7 @@ def constraint_of(trial) -> list[float]:
 
 
 class CMAESProposer(TPEProposer):
-    """optuna's CMA-ES (needs the `optuna` extra, with cmaes), stateless like `tpe`: each call starts a
+    """optuna's CMA-ES (needs the `cmaes` extra), stateless like `tpe`: each call starts a
     warm-started CMA-ES (WS-CMA-ES) whose initial mean and covariance are fitted to the history's trials (a
     crash counts as the worst value seen), and samples from it. Choices are sampled independently (CMA-ES is
     continuous)."""
