@@ -163,6 +163,10 @@ def test_search_jumps_first_then_mixes_in_local_moves(tmp_path):
     assert any(r.status == "keep" for r in ideas[:moves.index("local")])  # local only once something was kept
     assert {"model", "local"} <= set(moves[10:])
     assert all(r.description.count(" -> ") <= 2 for r in ideas if r.info["move"] == "local")
+    jumps = [r for r in ideas if r.info["move"] == "model"]
+    assert all(r.description.startswith("jump: ") and r.description.count(" -> ") <= 4 for r in jumps)
+    wide = next(r for r in jumps if len(r.info["changes"]) > 4)  # described in part, recorded in full
+    assert wide.description.endswith(f", +{len(wide.info['changes']) - 4} more")
 
 
 def test_search_spends_its_runs_on_the_move_that_pays(tmp_path):
@@ -226,3 +230,24 @@ def test_search_proposes_the_same_idea_after_a_restart_past_its_start_up(tmp_pat
         proposal = SearchProposer(Context(repo=repo, tag="s", profile=None)).propose(work, history)
         proposals.append((proposal.description, proposal.info["move"], (work / "train.py").read_text()))
     assert proposals[0] == proposals[1]
+
+
+def test_trials_keep_powers_of_two_and_survive_undeclared_values():
+    """Jumps hold a power-of-two constant to powers of two within its bounds; a value the space no longer
+    declares (a queued idea's choice, a value past today's range) is left out of its trial, not an error."""
+    import optuna
+
+    from orchestrator.ledger import Record
+    from orchestrator.proposers.space import Param
+    from orchestrator.proposers.tpe import as_declared, finished_trials
+
+    batch = Param("B", "pow2", 2, 24)
+    assert [as_declared(batch, v) for v in (1, 3, 5, 11, 23, 100)] == [2, 4, 4, 8, 16, 16]
+    space = {"W": Param("W", "choice", choices=("a", "b")), "LR": Param("LR", "log", 1e-3, 1.0)}
+    runs = [(Record(n=1, status="keep", description="base", val_bpb=1.0), {"W": "a", "LR": 0.01}),
+            (Record(n=2, status="discard", description="x", val_bpb=1.2), {"W": "zzz", "LR": 0.02}),
+            (Record(n=3, status="discard", description="x", val_bpb=1.4), {"W": "zzz", "LR": 0.02}),
+            (Record(n=4, status="crash", description="x", cause="environment"), {"W": "b", "LR": 0.5})]
+    trials = finished_trials(optuna, space, runs)
+    assert [t.params for t in trials] == [{"W": "a", "LR": 0.01}, {"LR": 0.02}]  # the machine's crash: no trial
+    assert [t.value for t in trials] == [1.0, pytest.approx(1.3)]  # one trial per configuration, its mean

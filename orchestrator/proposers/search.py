@@ -44,6 +44,7 @@ MAX_STEP = {"log": 1.5, "linear": 0.5, "pow2": 2.0, "int": 1.0, "unit": 1.5, "ch
 GROW, SHRINK, CRASH_SHRINK = 1.6, 0.75, 0.6
 MOVES = ("model", "local")
 STARTUP = 10  # ideas from the model before any local move (as many as TPE samples at random to start)
+SHOWN = 4  # changes a jump's description names
 
 
 # Before any evidence, rates and schedule constants are the likeliest wins and the cheapest to try; sizes
@@ -291,5 +292,10 @@ class SearchProposer(Proposer):
         return changes
 
     def write(self, path: Path, source: str, best: dict, changes: dict, move: str) -> Proposal:
+        """Edit train.py. A jump is described by its first SHOWN changes and a count of the rest (the table stays
+        readable and a run again's "(repeat n/N)" stays in view); every change is in the record's info."""
         path.write_text(apply_changes(source, self.context.profile, changes))
-        return Proposal(describe(best, changes), {"changes": {k: repr(v) for k, v in changes.items()}, "move": move})
+        shown = dict(list(changes.items())[:SHOWN])
+        more = f", +{len(changes) - SHOWN} more" if len(changes) > SHOWN else ""
+        description = ("jump: " if move == "model" else "") + describe(best, shown) + more
+        return Proposal(description, {"changes": {k: repr(v) for k, v in changes.items()}, "move": move})
