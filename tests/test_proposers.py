@@ -149,9 +149,9 @@ def test_search_learns_each_idea_once_from_its_decided_outcome():
     assert outcomes([rec(1, "crash", "")])[1] == "crash"
 
 
-def test_search_jumps_first_then_mixes_in_local_moves(tmp_path):
-    """The first ideas are the model's global jumps (TPE over every constant); once one was kept, local moves
-    of one or two constants join in. Every idea's record names its move."""
+def test_search_steps_first_then_mixes_in_jumps(tmp_path):
+    """The first ideas are local moves of one or two constants around the default; then the model's jumps
+    (TPE over every constant) join in. Every idea's record names its move."""
     from orchestrator.ledger import read_record
 
     repo = make_fake_repo(tmp_path / "r")
@@ -159,8 +159,7 @@ def test_search_jumps_first_then_mixes_in_local_moves(tmp_path):
     records = [read_record(Paths(repo, "s").run_dir(n)) for n in range(2, 41)]
     ideas = [r for r in records if r is not None and (r.group or r.n) == r.n]
     moves = [r.info.get("move") for r in ideas]
-    assert moves[:10] == ["model"] * 10
-    assert any(r.status == "keep" for r in ideas[:moves.index("local")])  # local only once something was kept
+    assert moves[:10] == ["local"] * 10
     assert {"model", "local"} <= set(moves[10:])
     assert all(r.description.count(" -> ") <= 2 for r in ideas if r.info["move"] == "local")
     jumps = [r for r in ideas if r.info["move"] == "model"]
@@ -191,12 +190,12 @@ def test_search_spends_its_runs_on_the_move_that_pays(tmp_path):
     start = [Record(n=1, status="keep", description="baseline")]
     n = 2
     for k in range(10):
-        start += idea(n, "model", "keep" if k == 3 else "discard")
+        start += idea(n, "local", "keep" if k == 3 else "discard")
         n += 1
-    assert share(start[:6]) == 1.0  # fewer than 10 model ideas: the model alone
-    nothing_kept = [start[0]] + [r for k in range(2, 12) for r in idea(k, "model", "discard", again=1)]
-    assert share(nothing_kept) == 1.0  # nothing to refine yet (runs again are not ideas)
-    assert share(nothing_kept + [r for k in range(30, 40) for r in idea(k, "model", "discard")]) < 1.0
+    assert share(start[:6], "local") == 1.0  # fewer than 10 local ideas: local moves alone
+    early = [start[0]] + [r for k in range(2, 20, 2) for r in idea(k, "local", "discard", again=1)]
+    assert share(early, "local") == 1.0  # 9 ideas (runs again are not ideas)
+    assert 0.0 < share(start) < 1.0  # then both
     failing_local = list(start)
     for _ in range(12):
         failing_local += idea(n, "local", "discard", again=2)
@@ -204,8 +203,8 @@ def test_search_spends_its_runs_on_the_move_that_pays(tmp_path):
     assert share(failing_local) > 0.8
     paying_local = list(start)
     for k in range(12):
-        paying_local += idea(n, "local", "keep" if k % 2 else "discard")
-        n += 1
+        paying_local += idea(n, "local", "keep" if k % 2 else "discard") + idea(n + 1, "model", "discard")
+        n += 2
     assert share(paying_local, "local") > 0.8
 
 

@@ -5,10 +5,10 @@ Each idea comes from one of two moves:
   runs; a crash is a failed constraint, so it learns where configurations crash): global jumps that find
   the right region (model size for the budget, batch size);
 - local: an adaptive move of the current best, below: small steps that refine it.
-The model proposes alone for its first STARTUP ideas, and on until an idea beat the baseline or it made twice
-as many. From then on a bandit picks the move (Thompson sampling on each move's keeps per run spent), so the
-night spends its runs on whichever move is paying off: on a default far from its optimum the jumps, near it
-the small steps.
+Local moves come first (STARTUP ideas): a real night's default is usually tuned, and TPE's random start-up
+jumps were all far worse on one (benchmarks/README.md). From then on a bandit picks the move (Thompson
+sampling on each move's keeps per run spent), so the night spends its runs on whichever move is paying off:
+on a default far from its optimum the jumps, near it the small steps.
 
 A local move changes one constant (sometimes two) of the current best:
 - which constant: drawn in proportion to how often moving it paid off (untried ones, and learning rates and
@@ -43,7 +43,7 @@ MIN_STEP = {"log": 0.05, "linear": 0.02, "pow2": 1.0, "int": 0.05, "unit": 0.1, 
 MAX_STEP = {"log": 1.5, "linear": 0.5, "pow2": 2.0, "int": 1.0, "unit": 1.5, "choice": 1.0}
 GROW, SHRINK, CRASH_SHRINK = 1.6, 0.75, 0.6
 MOVES = ("model", "local")
-STARTUP = 10  # ideas from the model before any local move (as many as TPE samples at random to start)
+STARTUP = 10  # local ideas before the bandit (TPE then has that many configurations to model, no random start)
 SHOWN = 4  # changes a jump's description names
 
 
@@ -216,17 +216,15 @@ class SearchProposer(Proposer):
         return self.write(path, source, best, changes, "local") if changes else None
 
     def choose(self, history: list[Record], rng: random.Random) -> str:
-        """Which move proposes next. The model alone for its first STARTUP ideas, and on until an idea beat
-        the baseline (nothing to refine before) or it has made twice as many. Then Thompson sampling on each
-        move's keep rate per run spent: a Beta posterior (one keep in two runs for the model up front, one in
-        three for local) updated with its ideas' keeps and all its runs, the runs again of its ideas included
-        (a move whose ideas need many runs to decide costs more)."""
+        """Which move proposes next. Local moves alone for the first STARTUP ideas (a default is usually tuned:
+        small steps around it are the likeliest wins, and they give TPE a model of its neighbourhood). Then
+        Thompson sampling on each move's keep rate per run spent: a Beta posterior (one keep in two runs for
+        the model up front, one in three for local) updated with its ideas' keeps and all its runs, the runs
+        again of its ideas included (a move whose ideas need many runs to decide costs more)."""
         outcome = outcomes(history)
         first = [rec for rec in history if (rec.group or rec.n) == rec.n]
-        model_ideas = sum(rec.info.get("move") == "model" for rec in first)
-        kept = any(outcome.get(rec.n) == "keep" for rec in first[1:])
-        if model_ideas < STARTUP or not kept and model_ideas < 2 * STARTUP:
-            return "model"
+        if sum(rec.info.get("move") == "local" for rec in first) < STARTUP:
+            return "local"
         keeps, misses = {"model": 1, "local": 1}, {"model": 1, "local": 2}
         for rec in history:
             move = rec.info.get("move")  # runs again of an idea carry its move; runs of the best carry none
