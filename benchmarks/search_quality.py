@@ -47,6 +47,7 @@ NOOP = "false_keeps:NoOpProposer"  # edits that change nothing (comments): every
 def surrogate_session(job: tuple) -> dict:
     """One (method, gate, seed) session on the surrogate, in a fresh repo: what it kept, when, and how true."""
     model, profile, method, gate, seed, experiments, where = job
+    os.environ["AUTOLOOP_PROGRESS_SECONDS"] = "1e9"  # the loop's live line would flood the report
     sys.path[:0] = [str(ROOT / "benchmarks" / "surrogate"), str(ROOT / "benchmarks")]
     from fake import fake_train
     from orchestrator.state import Status, group_of, replay
@@ -95,11 +96,22 @@ def surrogate_main(args) -> None:
     baseline_sd = float(Surrogate.load(args.surrogate).predict([default])[1][0])
     jobs = [(str(args.surrogate.resolve()), args.profile, m, g, seed, args.experiments)
             for seed in range(args.seeds) for g in gates
-            for m in (methods if g == gates[0] else ["search"]) + [NOOP]]
+            for m in (methods if g == gates[0] else ["search"]) + ([NOOP] if args.noop else [])]
     t0 = time.monotonic()
-    with tempfile.TemporaryDirectory() as tmp, ProcessPoolExecutor(args.jobs) as pool:
+    with tempfile.TemporaryDirectory() as tmp, ProcessPoolExecutor(args.jobs, initializer=die_with_parent) as pool:
         results = list(pool.map(surrogate_session, [(*j, tmp) for j in jobs]))
     report_surrogate(args, results, methods, gates, baseline_sd, time.monotonic() - t0)
+
+
+def die_with_parent() -> None:
+    """A pool worker ends with the benchmark (killed or failed), never left running a session alone."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG (Linux)
+    except (OSError, AttributeError):
+        pass
 
 
 def quartiles(values: list[float]) -> str:
@@ -177,6 +189,8 @@ def main() -> None:
                                                            "used for every method, the others for search)")
     ap.add_argument("--checkpoints", default="30,100", help="with --surrogate: report the best after these counts")
     ap.add_argument("--jobs", type=int, default=1, help="with --surrogate: sessions at once")
+    ap.add_argument("--no-noop", dest="noop", action="store_false",
+                    help="with --surrogate: skip the no-op sessions that measure the gates' false keeps (faster)")
     ap.add_argument("--gate", default="strict", choices=["noise", "strict"],
                     help="keep rule for every method (strict: short sessions keep something to compare)")
     ap.add_argument("--out", type=Path, default=None, help="also write the raw results as JSON here")
@@ -189,6 +203,7 @@ def main() -> None:
     crashes: dict[str, int] = {m: 0 for m in methods}
     with tempfile.TemporaryDirectory() as tmp:
         os.environ.setdefault("AUTOLOOP_CACHE", str(Path(tmp) / "cache"))
+        os.environ.setdefault("AUTOLOOP_PROGRESS_SECONDS", "1e9")  # one line per session, not the loop's live line
         t0 = time.monotonic()
         for seed in range(args.seeds):
             for method in methods:

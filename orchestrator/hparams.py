@@ -9,6 +9,7 @@ profile's value is the one read and edited). A trailing comment may bound it: `#
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from dataclasses import dataclass
 
@@ -18,7 +19,7 @@ _CHOICES = re.compile(r"\{([^}]*)\}\s*$")
 _POW2 = re.compile(r"^\s*2\s*\*\*\s*\d+\s*$")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Constant:
     name: str
     value: object
@@ -100,6 +101,11 @@ def _parse_comment(line: str, profile: str | None = None) -> tuple[float | None,
 
 def read_constants(source: str, profile: str | None = None) -> list[Constant]:
     """The editable constants of train.py's hyperparameter section, in file order."""
+    return list(_read_constants(source, profile))
+
+
+@functools.lru_cache(maxsize=64)  # proposers read the same few sources many times per idea
+def _read_constants(source: str, profile: str | None) -> tuple[Constant, ...]:
     lines = source.splitlines()
     first, last = _section_lines(lines)
     constants = []
@@ -115,7 +121,8 @@ def read_constants(source: str, profile: str | None = None) -> list[Constant]:
             if not match:
                 continue
             value_node, prof = match[0].value, profile
-        text = ast.get_source_segment(source, value_node)
+        # the value's text (one line; ast columns are UTF-8 byte offsets)
+        text = lines[node.lineno - 1].encode("utf-8")[value_node.col_offset:value_node.end_col_offset].decode("utf-8")
         try:
             value = _number(value_node)
         except (ValueError, SyntaxError, TypeError):
@@ -127,7 +134,7 @@ def read_constants(source: str, profile: str | None = None) -> list[Constant]:
         low, high, choices = _parse_comment(lines[node.lineno - 1], profile)
         constants.append(Constant(name, value, node.lineno, value_node.col_offset, value_node.end_col_offset,
                                   text, low, high, choices, prof))
-    return constants
+    return tuple(constants)
 
 
 def format_value(value, like: str = "") -> str:

@@ -65,6 +65,15 @@ def test_parser_on_the_shipped_train_py():
     assert sum(a != b for a, b in zip(source.splitlines(), edited.splitlines())) == 1
 
 
+def test_constants_beside_non_ascii_text_keep_their_exact_source():
+    """Columns are UTF-8 byte offsets: a value after non-ASCII text (a comment, a string) is read and
+    replaced exactly."""
+    source = "# Hyperparameters\nNAME = 'café'; LR = 0.04  # débit [0.001, 1.0]\n"
+    consts = {c.name: c for c in read_constants(source)}
+    assert consts["LR"].text == "0.04" and consts["LR"].high == 1.0 and consts["NAME"].text == "'café'"
+    assert set_constant(source, consts["LR"], 0.05).splitlines()[1] == "NAME = 'café'; LR = 0.05  # débit [0.001, 1.0]"
+
+
 def test_parser_on_odd_layouts():
     source = textwrap.dedent('''\
         X = 1  # before the section: ignored
