@@ -117,6 +117,43 @@ def test_local_directory_dataset(tmp_path):
     assert "130 documents" in proc.stdout
 
 
+def test_training_reads_documents_in_a_fixed_mixed_order(tmp_path):
+    """Train shards hold their documents in a fixed pseudo-random order (sorted by path, a run's last steps fell
+    on one directory's files and where it stopped decided its score); val and holdout keep name order (the
+    evaluation reads a fixed prefix). Data split in the old order is written again."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    rng = random.Random(1)
+    words = [f"w{i}" for i in range(300)]
+    for i in range(200):
+        (corpus / f"doc{i:03d}.txt").write_text(f"doc{i:03d} " + " ".join(rng.choice(words) for _ in range(3000)))
+    env = dict(os.environ, AUTOLOOP_CACHE=str(tmp_path / "cache"), AUTOLOOP_PROFILE="tiny")
+
+    def prepare(*extra):
+        proc = subprocess.run([sys.executable, str(ROOT / "prepare.py"), "--dataset", str(corpus), *extra],
+                              cwd=tmp_path, env=env, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc.stdout
+
+    prepare()
+    out = json.loads(run_py("""
+import json, prepare
+import pyarrow.parquet as pq
+splits = prepare.load_manifest()['splits']
+read = lambda key: [t.split()[0] for f in splits[key] for t in pq.read_table(prepare.DATA_DIR / f).column('text').to_pylist()]
+print(json.dumps({'train': read('train'), 'val': read('val'), 'record': str(prepare.DATA_DIR / 'splits.json'),
+                  'expected': sorted(read('train'), key=lambda n: prepare.train_position(n + '.txt'))}))
+""", dict(env, AUTOLOOP_DATASET=str(corpus))))
+    assert len(out["train"]) > 150 and out["train"] == out["expected"] and out["train"] != sorted(out["train"])
+    assert out["val"] == sorted(out["val"])
+    record = Path(out["record"])
+    assert "already split" in prepare("--force")  # the same corpus in the same order: reused
+    old = json.loads(record.read_text())
+    del old["train_order"]  # splits written by a prepare.py that read them in name order
+    record.write_text(json.dumps(old))
+    assert "already split" not in prepare("--force")
+
+
 def test_too_small_corpus_says_how_to_fix(tmp_path):
     corpus = tmp_path / "small"
     corpus.mkdir()
