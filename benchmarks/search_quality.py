@@ -47,7 +47,7 @@ NOOP = "false_keeps:NoOpProposer"  # edits that change nothing (comments): every
 def surrogate_session(job: tuple) -> dict:
     """One (method, gate, seed) session on the surrogate, in a fresh repo: what it kept, when, and how true."""
     model, profile, method, gate, seed, experiments, where = job
-    os.environ["AUTOLOOP_PROGRESS_SECONDS"] = "1e9"  # the loop's live line would flood the report
+    os.environ.setdefault("AUTOLOOP_PROGRESS_SECONDS", "1e9")  # one result per session, not the loop's live line
     sys.path[:0] = [str(ROOT / "benchmarks" / "surrogate"), str(ROOT / "benchmarks")]
     from fake import fake_train
     from orchestrator.state import Status, group_of, replay
