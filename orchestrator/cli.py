@@ -146,6 +146,10 @@ def main() -> None:
               help="Stop once the proposer's LLM usage reaches this many tokens.")
 @click.option("--max-cost", type=click.FloatRange(min=0, min_open=True), envvar="AUTOLOOP_MAX_COST",
               show_envvar=True, help="Stop once the proposer's LLM cost reaches this many dollars.")
+@click.option("--tracker", "tracker", multiple=True, type=click.Choice(["mlflow", "wandb"]),
+              envvar="AUTOLOOP_TRACKER", show_envvar=True,
+              help="Mirror the session to an experiment tracker (repeatable; extras mlflow, wandb): the session is a "
+                   "parent run, each experiment a child run.")
 @click.pass_context
 def run(ctx: click.Context, **values) -> None:
     """Run the loop until a limit, the proposer runs dry, or Ctrl-C. Re-run the same command to resume."""
@@ -184,7 +188,7 @@ def run(ctx: click.Context, **values) -> None:
                         baseline_repeats=values["baseline_repeats"], max_crashes=values["max_crashes"], pass_env=tuple(values["pass_env"]),
                         sandbox=values["sandbox"], sandbox_net=values["sandbox_net"],
                         max_log_mb=values["max_log_mb"], executor=values["executor"],
-                        workers=values["workers"],
+                        workers=values["workers"], trackers=tuple(values["tracker"]),
                         executor_options={k: v for k, v in plugin_values["executor"].items()
                                           if v is not None and k in own})
     try:

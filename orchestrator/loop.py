@@ -29,6 +29,7 @@ from .session import Lock, write_status
 from .settings import Settings
 from .spend import Spend
 from .state import Cause, State, Status, group_of
+from .tracking import Trackers
 from .trial import Run, run_generation
 from .workspace import SessionChanged, Workspace
 
@@ -75,6 +76,8 @@ def _session(settings: Settings, echo: Callable[[str], None]) -> State:
             proposer.observe(record)
         for line in header(settings, executor, state, ideas.pipeline):
             echo(line)
+        trackers = Trackers(settings.trackers, ws, echo)
+        trackers.start(state)
         progress, started, stop = Progress(), time.time(), ""
         try:
             while not (stop := stop_reason(settings, state, started, ws.spend)):
@@ -84,10 +87,11 @@ def _session(settings: Settings, echo: Callable[[str], None]) -> State:
                     stop = ws.spend.exceeded() or "the proposer has no more ideas"
                     break
                 runs = run_generation(ws, executor, state, planned, ideas, progress, remaining)
-                record_generation(ws, state, runs, ideas, progress)
+                record_generation(ws, state, runs, ideas, progress, trackers)
                 check_health(ws, state, runs)
         except BaseException as error:
             stopped(ws, executor, state, ideas, progress, error)
+            trackers.finish(state, f"interrupted ({type(error).__name__})")
             raise
         finally:
             if ideas.prefetch is not None:  # e.g. --max-hours ended the loop while the next ideas were made
@@ -97,6 +101,7 @@ def _session(settings: Settings, echo: Callable[[str], None]) -> State:
         write_status(ws.paths, phase="finished", train_pid=None, train_pids={}, running=[])
         echo(session_summary(settings, state, stop))
         holdout_check(ws, executor, state, echo)
+        trackers.finish(state, stop)
         return state
 
 
@@ -125,9 +130,10 @@ def slots_for(ws: Workspace, executor: Executor, state: State, remaining: int | 
     return slots
 
 
-def record_generation(ws: Workspace, state: State, runs: list[Run], ideas: Ideas, progress: Progress) -> None:
-    """Judge the finished generation, record each run (record.json, row, branch), then let the proposer see
-    them (after any idea it is making is done: its observe() never runs while its propose() does)."""
+def record_generation(ws: Workspace, state: State, runs: list[Run], ideas: Ideas, progress: Progress,
+                      trackers: Trackers | None = None) -> None:
+    """Judge the finished generation, record each run (record.json, row, branch, trackers), then let the
+    proposer see them (after any idea it is making is done: its observe() never runs while its propose() does)."""
     progress.clear()
     t = time.monotonic()
     decide(state, [finished(ws, state, run) for run in runs], ws.settings.gate)
@@ -135,6 +141,8 @@ def record_generation(ws: Workspace, state: State, runs: list[Run], ideas: Ideas
         run.record.timings["record"] = time.monotonic() - t
         ws.record(run.record, state)
         ws.echo(console_line(run.record, state))
+        if trackers is not None:
+            trackers.record(run.record, state)
     ideas.settle()
     for run in runs:
         ideas.proposer.observe(run.record)

@@ -39,6 +39,7 @@ class Settings:
     executor: str = "local"  # a registered executor: local | ray | inline | a plugin's
     workers: int | None = None  # experiments at once; default: one per GPU (local) or per cluster GPU (ray)
     executor_options: dict = field(default_factory=dict)  # the executor's own options (gpus, ray_address, ...)
+    trackers: tuple[str, ...] = ()  # experiment trackers the session is mirrored to: mlflow, wandb (tracking.py)
 
     @property
     def hard_timeout(self) -> float:
