@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -44,7 +45,7 @@ def apply_pyproject(ctx: click.Context, values: dict, repo: Path) -> dict:
         name = key.replace("-", "_")
         if name not in params or name == "repo":
             known = ", ".join(sorted(n.replace("_", "-") for n in params if n != "repo"))
-            if ctx.command.name == "run":
+            if ctx.command.name in ("run", "doctor"):
                 raise click.ClickException(f"unknown key {key!r} in [tool.autoloop] of {repo / 'pyproject.toml'}; "
                                            f"known keys: {known}")
             continue
@@ -153,8 +154,21 @@ def main() -> None:
 @click.pass_context
 def run(ctx: click.Context, **values) -> None:
     """Run the loop until a limit, the proposer runs dry, or Ctrl-C. Re-run the same command to resume."""
-    from .loop import Settings, Terminated, run_loop
+    from .loop import Terminated, run_loop
+
+    settings = settings_from(ctx, values)
+    try:
+        run_loop(settings, echo=lambda line: click.echo(line))
+    except LoopError as e:
+        raise click.ClickException(str(e)) from None
+    except KeyboardInterrupt as e:  # Ctrl-C: 130; SIGTERM: 143 (128 + the signal), as shells report them
+        sys.exit(143 if isinstance(e, Terminated) else 130)
+
+
+def settings_from(ctx: click.Context, values: dict):
+    """The run's Settings from its options, [tool.autoloop] filling what the command line and env left unset."""
     from .noise import Gate
+    from .settings import Settings
 
     repo = resolve_repo(values.pop("repo"))
     values = apply_pyproject(ctx, values, repo)
@@ -191,16 +205,62 @@ def run(ctx: click.Context, **values) -> None:
                         workers=values["workers"], trackers=tuple(values["tracker"]),
                         executor_options={k: v for k, v in plugin_values["executor"].items()
                                           if v is not None and k in own})
-    try:
-        run_loop(settings, echo=lambda line: click.echo(line))
-    except LoopError as e:
-        raise click.ClickException(str(e)) from None
-    except KeyboardInterrupt as e:  # Ctrl-C: 130; SIGTERM: 143 (128 + the signal), as shells report them
-        sys.exit(143 if isinstance(e, Terminated) else 130)
+    return settings
 
 
 # Options the installed proposers and executors declare (--agent, --llm-model, --gpus, --ray-address, ...).
 run.params.extend(option for kind in PLUGIN_KINDS for option in plugins.options(kind))
+
+
+@main.command(context_settings={"ignore_unknown_options": False})
+@click.pass_context
+def doctor(ctx: click.Context, **values) -> None:
+    """Check the machine and repo for `autoloop run` with the same options: git identity and signing, GPU /
+    driver / torch, the prepared data, free disk for the night, extras, the agent CLI. One line per check with
+    its fix; exit 1 when something would stop the loop."""
+    from .doctor import FAIL, WARN, run_checks
+
+    settings = settings_from(ctx, values)
+    try:
+        findings = run_checks(settings)
+    except LoopError as e:
+        raise click.ClickException(str(e)) from None
+    for finding in findings:
+        click.echo(finding.line())
+    failed = sum(f.status == FAIL for f in findings)
+    warned = sum(f.status == WARN for f in findings)
+    if failed:
+        click.echo(f"doctor: {failed} problem{'s' if failed > 1 else ''} would stop the loop"
+                   + (f" ({warned} warning{'s' if warned > 1 else ''})" if warned else ""))
+        sys.exit(1)
+    click.echo("doctor: ready" + (f" ({warned} warning{'s' if warned > 1 else ''})" if warned else ""))
+
+
+doctor.params.extend(run.params)  # the same options as run (and [tool.autoloop]): it checks that run
+
+
+@main.command()
+@click.argument("directory", type=click.Path(path_type=Path), default=Path("."), required=False)
+@click.option("--existing", is_flag=True,
+              help="Add what is missing (prepare.py, program.md, .gitignore lines, [tool.autoloop]) to a git "
+                   "repository that has a train.py, touching nothing else.")
+def init(directory: Path, existing: bool) -> None:
+    """Make DIRECTORY a ready workspace (train.py, prepare.py, program.md, .gitignore, [tool.autoloop]) and
+    commit it.  [default: the current directory, which must be empty]"""
+    from .scaffold import init_workspace
+
+    try:
+        changed, commit = init_workspace(directory, existing)
+    except LoopError as e:
+        raise click.ClickException(str(e)) from None
+    where = directory.expanduser().resolve()
+    if not changed:
+        click.echo(f"{where} already has everything autoloop needs; nothing changed")
+    else:
+        click.echo(f"{'added' if existing else 'wrote'} {', '.join(changed)} in {where}; committed {commit[:7]}")
+    go = "" if where == Path.cwd().resolve() else f"cd {shlex.quote(str(directory))} && "
+    click.echo(f"next: {go}autoloop doctor && autoloop run   (the first run prepares the data; "
+               "Ctrl-C stops, the same command resumes)")
 
 
 @main.command()

@@ -152,6 +152,11 @@ def commit_all(wt: git.Repo, message: str) -> str:
     return wt.head.commit.hexsha
 
 
+def commit_paths(repo: git.Repo, message: str, paths: list[str]) -> None:
+    """Commit only `paths` (whatever else is staged or changed stays as it was)."""
+    _git(repo, "commit", "-q", "--no-verify", "-m", message, "--", *paths)
+
+
 def keep_only(wt: git.Repo, name: str) -> None:
     """Drop every change in the worktree but those to `name`."""
     path = Path(wt.working_tree_dir) / name

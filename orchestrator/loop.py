@@ -17,6 +17,7 @@ from collections import Counter
 from typing import Callable, Iterator
 
 from . import LoopError, gitops
+from .doctor import preflight
 from .executors import Executor, make_executor
 from .holdout import due, holdout_check
 from .judge import Finished, decide
@@ -66,6 +67,7 @@ def _session(settings: Settings, echo: Callable[[str], None]) -> State:
     ws = Workspace(settings, echo)
     proposer_cls = load(settings.proposer)
     with Lock(ws.paths.lock), open_executor(settings) as executor, signals(signal.SIGTERM, _terminate):
+        preflight(settings)  # free disk, an agent CLI that answers (ws.open checks the GPU and prepares the data)
         ws.open(executor)
         state = ws.resume()
         proposer = proposer_cls(Context(repo=settings.repo, tag=settings.tag, seed=settings.seed,

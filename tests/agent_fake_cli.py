@@ -10,6 +10,7 @@ Each parses its tool's flags and exits 2 on one it does not know (as the real CL
 - claude (-p): writes only inside its cwd and with --permission-mode acceptEdits; a write elsewhere is refused
   and the run fails. --output-format json prints one result object with usage and cost.
 - codex (exec): writes only inside its cwd (the workspace-write sandbox); --json prints JSONL events.
+Each answers `--version` ($AUTOLOOP_TEST_CLI_BROKEN: fails, as a CLI that is not logged in may).
 """
 
 import argparse
@@ -130,4 +131,8 @@ def codex(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[2:] == ["--version"]:  # as the real ones answer (autoloop's preflight asks)
+        if os.environ.get("AUTOLOOP_TEST_CLI_BROKEN"):
+            sys.exit(f"{sys.argv[1]}: error: not logged in")
+        sys.exit(print({"aider": "aider 0.86.1", "claude": "2.0.14 (Claude Code)", "codex": "codex-cli 0.46.0"}[sys.argv[1]]))
     sys.exit({"aider": aider, "claude": claude, "codex": codex}[sys.argv[1]](sys.argv[2:]))

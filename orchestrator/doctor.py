@@ -1,0 +1,244 @@
+"""`autoloop doctor`: the environment problems that otherwise surface at 2 a.m., found before the night starts.
+
+One finding per check, each with its fix. `fail` means the loop would stop (or never start); `warn` means it
+runs but something is off. `autoloop run` runs the blocking checks that the loop does not already make itself
+(free disk, an agent CLI that answers) before experiment 1.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import LoopError, gitops, gpu, harness
+from .hparams import read_constants
+from .settings import Settings
+
+OK, WARN, FAIL = "ok", "warn", "FAIL"
+EXTRAS = {"llm": "openai", "cmaes": "cmaes", "ray": "ray", "mlflow": "mlflow", "wandb": "wandb"}
+NEEDS = {"proposer": {"llm": "llm", "cmaes": "cmaes"}, "executor": {"ray": "ray"}}
+NIGHT = 100  # experiments assumed for the disk estimate when neither --max-experiments nor --max-hours says
+LOG_MB = 1.0  # a run's log, record and outputs, generously (logs are capped at --max-log-mb)
+SPARE_GB = 1.0  # headroom for git objects, compile caches and the status files
+GROWTH = 4  # the search may grow the model: room for checkpoints this many times the default's size
+ANSWER_TIMEOUT_S = 30.0
+
+
+@dataclass
+class Finding:
+    check: str
+    status: str  # ok | warn | FAIL
+    detail: str
+    fix: str = ""
+
+    def line(self) -> str:
+        return f"{self.status:4}  {self.check:13} {self.detail}" + (f"\n{'':19}fix: {self.fix}" if self.fix else "")
+
+
+def install_hint(extra: str) -> str:
+    return f'pip install "autoloop-ml[{extra}]" (in a clone: pip install -e ".[{extra}]")'
+
+
+def run_checks(settings: Settings) -> list[Finding]:
+    """Every check, in the order a night meets them."""
+    findings = [check_repo(settings)]
+    if findings[0].status == FAIL:
+        return findings
+    repo = gitops.Repo(settings.repo)
+    findings += [check_identity(repo), check_signing(repo)]
+    env = harness.run_env(settings.budget, settings.seed, settings.profile, settings.dataset, settings.cache,
+                          tuple(settings.pass_env))
+    info, torch_problem = None, None
+    try:
+        info = harness.query(settings.repo, {**os.environ, **env}, torch=True)
+    except LoopError as e:
+        torch_problem = str(e)
+    findings.append(check_gpu(settings, info, torch_problem))
+    findings.append(check_data(settings, info))
+    findings.append(check_disk(settings, info))
+    findings.append(check_extras(settings))
+    if settings.proposer == "agent":
+        findings.append(check_agent(settings.options))
+    return findings
+
+
+def preflight(settings: Settings) -> None:
+    """The blocking checks `autoloop run` makes before experiment 1 (the loop makes the others itself)."""
+    findings = [check_disk(settings, None)]
+    if settings.proposer == "agent":
+        findings.append(check_agent(settings.options))
+    failed = [f for f in findings if f.status == FAIL]
+    if failed:
+        raise LoopError("; ".join(f"{f.detail} (fix: {f.fix})" for f in failed)
+                        + ". `autoloop doctor` checks everything at once")
+
+
+def check_repo(settings: Settings) -> Finding:
+    try:
+        repo = gitops.open_repo(settings.repo)
+        gitops.require_clean(repo)
+    except LoopError as e:
+        return Finding("repository", FAIL, str(e).split("; ")[0], str(e).partition("; ")[2] or
+                       "autoloop init DIR makes a ready workspace")
+    branch = "detached HEAD" if repo.head.is_detached else repo.active_branch.name
+    return Finding("repository", OK, f"{settings.repo} on {branch} at {repo.head.commit.hexsha[:7]}, train.py committed")
+
+
+def check_identity(repo) -> Finding:
+    name, email = (_git_config(repo, key) for key in ("user.name", "user.email"))
+    if name and email:
+        return Finding("git identity", OK, f"commits as {name} <{email}>")
+    return Finding("git identity", WARN, "no user.name / user.email: the loop's commits are by autoloop "
+                                         "<autoloop@localhost>",
+                   'git config --global user.name "Your Name" && git config --global user.email you@example.com')
+
+
+def _git_config(repo, key: str, *flags: str) -> str:
+    """A git setting as git itself resolves it (GIT_CONFIG_GLOBAL and includes too); '' when unset."""
+    proc = subprocess.run(["git", "-C", str(repo.working_tree_dir), "config", *flags, "--get", key],
+                          capture_output=True, text=True)
+    return proc.stdout.strip() if proc.returncode == 0 else ""
+
+
+def check_signing(repo) -> Finding:
+    """The loop's own commits never sign (a signer that prompts or fails must not stop a night), but a signer
+    that fails will stop the user's own commits, merges of the results included: say so now."""
+    on = _git_config(repo, "commit.gpgsign", "--type=bool") == "true"
+    if not on:
+        return Finding("git signing", OK, "commit.gpgsign is off")
+    proc = subprocess.run(["git", "-C", str(repo.working_tree_dir), "commit-tree", "-S", "-m", "autoloop doctor",
+                           "HEAD^{tree}"], capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                          env={**os.environ, "GIT_TERMINAL_PROMPT": "0"}, timeout=ANSWER_TIMEOUT_S)
+    if proc.returncode == 0:
+        return Finding("git signing", OK, "commit.gpgsign is on and the signer works (the loop's own commits are "
+                                          "unsigned: a signer must never prompt at night)")
+    said = [ln.strip() for ln in proc.stderr.splitlines() if ln.strip() and not ln.startswith("fatal:")]
+    why = " | ".join(said[:3]) or f"exit {proc.returncode}"  # the signer's own words, then git's
+    program = _git_config(repo, "gpg.program") or "gpg"
+    return Finding("git signing", WARN, f"commit.gpgsign is on but signing fails ({why}); the loop runs (its "
+                                        "commits are unsigned), your own commits and merges here will fail",
+                   f"fix the signer ({program}, user.signingkey), or `git config commit.gpgsign false` in this repo")
+
+
+def check_gpu(settings: Settings, info, problem: str | None) -> Finding:
+    if problem:
+        return Finding("gpu / torch", FAIL, problem.split(". ")[0], "pip install -e . (or fix prepare.py)")
+    torch = (info.torch if info else None) or {}
+    driver = gpu.nvidia_smi()
+    usable = bool(torch.get("available"))
+    if driver is not None and not usable:
+        lines = gpu.driver_problem(driver, torch, sys.executable, dict(os.environ)).splitlines()
+        return Finding("gpu / torch", FAIL, " ".join(line.strip() for line in lines[:3]), " ".join(lines[3:4]))
+    if settings.profile == "gpu" and not usable:
+        text = gpu.profile_problem(driver, torch, sys.executable)
+        return Finding("gpu / torch", FAIL, text.split("\n")[0], text.split("\n")[1])
+    if driver is None:
+        return Finding("gpu / torch", OK, f"no NVIDIA GPU (nvidia-smi lists none); torch {torch.get('version', '?')}"
+                                          " runs on the CPU")
+    return Finding("gpu / torch", OK, f"{len(driver.gpus)} x {driver.gpus[0]}, driver {driver.version}; torch "
+                                      f"{torch.get('version')} built for CUDA {torch.get('cuda')} sees "
+                                      f"{torch.get('devices')} device(s)")
+
+
+def check_data(settings: Settings, info) -> Finding:
+    if info is None:
+        return Finding("data", WARN, "not checked (prepare.py could not be imported)")
+    if info.manifest is None:
+        return Finding("data", OK, "this prepare.py keeps no manifest (e.g. upstream autoresearch's): not checked")
+    problems = harness.verify(info.manifest, settings.repo / "prepare.py")
+    what = f"{info.dataset or 'default'} data for the {info.profile or 'default'} profile"
+    if problems:
+        flags = "".join(f" --{k} {v}" for k, v in (("profile", settings.profile), ("dataset", settings.dataset)) if v)
+        return Finding("data", WARN, f"{what} is not prepared ({problems[0]})",
+                       f"`autoloop run` prepares it before experiment 1; to do it now: python prepare.py{flags}")
+    return Finding("data", OK, f"{what} is prepared and verifies ({info.manifest.parent})")
+
+
+def planned_experiments(settings: Settings) -> int:
+    if settings.max_experiments:
+        return settings.max_experiments
+    if settings.max_hours:
+        return max(1, math.ceil(settings.max_hours * 3600 / (settings.budget + 60)))
+    return NIGHT
+
+
+def model_bytes(settings: Settings, profile: str | None) -> int:
+    """A saved model's size: the largest one this repo kept, else an estimate from train.py's size constants
+    (a GPT: 12 L d^2 + 2 V d parameters, saved in fp32), else 1 GiB."""
+    saved = [p.stat().st_size for p in (settings.repo / ".autoloop").glob("*/runs/*/model.pt")]
+    if saved:
+        return max(saved)
+    try:
+        values = {c.name: c.value for c in read_constants((settings.repo / "train.py").read_text(), profile)}
+        depth, head = int(values["DEPTH"]), int(values.get("HEAD_DIM", 64))
+        width = math.ceil(depth * int(values["ASPECT_RATIO"]) / head) * head
+        return 4 * (12 * depth * width ** 2 + 2 * 32768 * width)
+    except (OSError, KeyError, TypeError, ValueError):
+        return 1 << 30
+
+
+def check_disk(settings: Settings, info) -> Finding:
+    """The night's footprint: the models kept at once (baseline, best, one in flight per slot) with room to
+    grow, every run's logs, and some spare; against the free space where the session's state lives."""
+    profile = (info.profile if info else None) or settings.profile or ("gpu" if gpu.nvidia_smi() else "cpu")
+    slots = settings.workers or 1
+    n = planned_experiments(settings)
+    model = model_bytes(settings, profile)
+    need = (2 + slots) * GROWTH * model + n * LOG_MB * 2 ** 20 + SPARE_GB * 2 ** 30
+    where = settings.repo / ".autoloop"
+    free = shutil.disk_usage(where if where.exists() else settings.repo).free
+    text = (f"{free / 2 ** 30:.1f} GiB free at {settings.repo}; a night of {n} experiments needs about "
+            f"{need / 2 ** 30:.1f} GiB (models of ~{model / 2 ** 20:.0f} MiB, logs)")
+    if free < need:
+        return Finding("disk", FAIL, text, "free some space, or plan fewer experiments (--max-experiments)")
+    if free < 2 * need:
+        return Finding("disk", WARN, text + ": little to spare", "free some space")
+    return Finding("disk", OK, text)
+
+
+def check_extras(settings: Settings) -> Finding:
+    installed = {extra for extra, module in EXTRAS.items() if importlib.util.find_spec(module) is not None}
+    needed = {NEEDS["proposer"].get(settings.proposer), NEEDS["executor"].get(settings.executor)} - {None}
+    missing = sorted(needed - installed)
+    listed = f"installed: {', '.join(sorted(installed)) or 'none'}; not: {', '.join(sorted(set(EXTRAS) - installed)) or 'none'}"
+    if missing:
+        return Finding("extras", FAIL, f"this run needs {', '.join(missing)} ({listed})",
+                       " && ".join(install_hint(m) for m in missing))
+    untracked = sorted(set(settings.trackers) - installed)
+    if untracked:
+        return Finding("extras", WARN, f"--tracker {', '.join(untracked)} is not installed: it would be switched off "
+                                       f"({listed})", " && ".join(install_hint(m) for m in untracked))
+    return Finding("extras", OK, listed)
+
+
+def check_agent(options: dict) -> Finding:
+    """The agent CLI is on PATH and answers `--version` (presets only: a custom --agent-cmd may not have one)."""
+    from .proposers.agent import agent_argv
+
+    try:
+        argv = agent_argv(options)
+    except LoopError as e:
+        return Finding("agent", FAIL, str(e), "see `autoloop run --help` (--agent, --agent-cmd)")
+    exe = shutil.which(argv[0]) or (argv[0] if Path(argv[0]).exists() else None)
+    if exe is None:
+        return Finding("agent", FAIL, f"agent command {argv[0]!r} is not on PATH",
+                       f"install it (or put it on PATH), or choose another with --agent / --agent-cmd")
+    if options.get("agent_cmd"):
+        return Finding("agent", OK, f"{exe} (a custom --agent-cmd: not asked to answer)")
+    try:
+        proc = subprocess.run([exe, "--version"], capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                              timeout=ANSWER_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return Finding("agent", FAIL, f"{exe} --version did not answer ({type(e).__name__})",
+                       "run it by hand: it may wait for a login or an update prompt")
+    out = (proc.stdout.strip() or proc.stderr.strip()).splitlines()
+    if proc.returncode != 0:
+        return Finding("agent", FAIL, f"{exe} --version failed (exit {proc.returncode}: {out[-1] if out else ''})",
+                       f"run `{argv[0]} --version` by hand, and log in (`{argv[0]}` interactively) if it asks")
+    return Finding("agent", OK, f"{exe}: {out[0] if out else 'answers'} (log in once by hand if it has not been)")
