@@ -188,4 +188,4 @@ def test_ray_executor_without_ray_says_how_to_install(fake_repo, tmp_path):
     env = subprocess_env()
     env["PYTHONPATH"] = f"{blocker}:{env['PYTHONPATH']}"
     proc = autoloop("run", "--repo", str(fake_repo(fakes.ok(1.0))), "--executor", "ray", env=env)
-    assert proc.returncode == 1 and "pip install -e '.[ray]'" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.returncode == 1 and 'pip install "autoloop-ml[ray]"' in proc.stderr and "Traceback" not in proc.stderr

@@ -39,7 +39,8 @@ def _import_ray():
     try:
         import ray
     except ImportError:
-        raise ImportError("the ray executor needs Ray: pip install -e '.[ray]' in the autoloop clone (or pip install ray)") from None
+        raise ImportError('the ray executor needs Ray: '
+                          'pip install "autoloop-ml[ray]" (in a clone: pip install -e ".[ray]")') from None
     return ray
 
 

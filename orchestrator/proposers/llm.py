@@ -118,7 +118,8 @@ class LLMProposer(Proposer):
         try:
             import openai
         except ImportError:
-            raise LoopError("the llm proposer needs the openai client: pip install -e '.[llm]'") from None
+            raise LoopError('the llm proposer needs the openai client: '
+                            'pip install "autoloop-ml[llm]" (in a clone: pip install -e ".[llm]")') from None
         opts = context.options
         self.openai = openai
         self.model = opts.get("llm_model")

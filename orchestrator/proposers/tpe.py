@@ -166,7 +166,8 @@ class CMAESProposer(TPEProposer):
         try:
             import cmaes  # noqa: F401
         except ImportError:
-            raise LoopError("the cmaes proposer needs cmaes: pip install 'autoloop[cmaes]'") from None
+            raise LoopError('the cmaes proposer needs cmaes: '
+                            'pip install "autoloop-ml[cmaes]" (in a clone: pip install -e ".[cmaes]")') from None
 
     def study(self, seed: int, trials: list):
         import warnings
