@@ -68,9 +68,9 @@ def run_checks(settings: Settings) -> list[Finding]:
     return findings
 
 
-def preflight(settings: Settings) -> None:
+def preflight(settings: Settings, slots: int) -> None:
     """The blocking checks `autoloop run` makes before experiment 1 (the loop makes the others itself)."""
-    findings = [check_disk(settings, None)]
+    findings = [check_disk(settings, None, slots)]
     if settings.proposer == "agent":
         findings.append(check_agent(settings.options))
     failed = [f for f in findings if f.status == FAIL]
@@ -183,11 +183,12 @@ def model_bytes(settings: Settings, profile: str | None) -> int:
         return 1 << 30
 
 
-def check_disk(settings: Settings, info) -> Finding:
+def check_disk(settings: Settings, info, slots: int | None = None) -> Finding:
     """The night's footprint: the models kept at once (baseline, best, one in flight per slot) with room to
     grow, every run's logs, and some spare; against the free space where the session's state lives."""
-    profile = (info.profile if info else None) or settings.profile or ("gpu" if gpu.nvidia_smi() else "cpu")
-    slots = settings.workers or 1
+    driver = None if (info and info.profile or settings.profile) and (slots or settings.workers) else gpu.nvidia_smi()
+    profile = (info.profile if info else None) or settings.profile or ("gpu" if driver else "cpu")
+    slots = slots or settings.workers or (len(driver.gpus) if driver else 1)
     n = planned_experiments(settings)
     model = model_bytes(settings, profile)
     need = (2 + slots) * GROWTH * model + n * LOG_MB * 2 ** 20 + SPARE_GB * 2 ** 30
