@@ -7,12 +7,15 @@ runs but something is off. `autoloop run` runs the blocking checks that the loop
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +29,8 @@ NEEDS = {"proposer": {"llm": "llm", "cmaes": "cmaes"}, "executor": {"ray": "ray"
 NIGHT = 100  # experiments assumed for the disk estimate when neither --max-experiments nor --max-hours says
 LOG_MB = 1.0  # a run's log, record and outputs, generously (logs are capped at --max-log-mb)
 SPARE_GB = 1.0  # headroom for git objects, compile caches and the status files
-GROWTH = 4  # the search may grow the model: room for checkpoints this many times the default's size
+GROWTH = 4  # the search may grow the model: warn without room for checkpoints this many times the default's
+VOCAB = 8192  # when prepare.py does not say (the largest of autoloop's profiles)
 ANSWER_TIMEOUT_S = 30.0
 
 
@@ -56,15 +60,16 @@ def run_checks(settings: Settings) -> list[Finding]:
                           tuple(settings.pass_env))
     info, torch_problem = None, None
     try:
-        info = harness.query(settings.repo, {**os.environ, **env}, torch=True)
+        env = {**os.environ, **env}
+        info = harness.query(settings.repo, env, torch=True)
     except LoopError as e:
         torch_problem = str(e)
-    findings.append(check_gpu(settings, info, torch_problem))
+    findings.append(check_gpu(settings, env, info, torch_problem))
     findings.append(check_data(settings, info))
     findings.append(check_disk(settings, info))
     findings.append(check_extras(settings))
-    if settings.proposer == "agent":
-        findings.append(check_agent(settings.options))
+    # the agent proposer's own checks are check_agent's (on PATH) and more (it answers)
+    findings.append(check_agent(settings.options) if settings.proposer == "agent" else check_proposer(settings, info))
     return findings
 
 
@@ -101,9 +106,26 @@ def check_identity(repo) -> Finding:
 
 def _git_config(repo, key: str, *flags: str) -> str:
     """A git setting as git itself resolves it (GIT_CONFIG_GLOBAL and includes too); '' when unset."""
-    proc = subprocess.run(["git", "-C", str(repo.working_tree_dir), "config", *flags, "--get", key],
-                          capture_output=True, text=True)
+    try:
+        proc = answer(["git", "-C", str(repo.working_tree_dir), "config", *flags, "--get", key])
+    except subprocess.TimeoutExpired:
+        return ""
     return proc.stdout.strip() if proc.returncode == 0 else ""
+
+
+def answer(argv: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run a short command in its own process group; TimeoutExpired after ANSWER_TIMEOUT_S, with the whole
+    group killed (a CLI that waits for a login or a passphrase leaves nothing behind)."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                            text=True, env=env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=ANSWER_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 def check_signing(repo) -> Finding:
@@ -112,9 +134,14 @@ def check_signing(repo) -> Finding:
     on = _git_config(repo, "commit.gpgsign", "--type=bool") == "true"
     if not on:
         return Finding("git signing", OK, "commit.gpgsign is off")
-    proc = subprocess.run(["git", "-C", str(repo.working_tree_dir), "commit-tree", "-S", "-m", "autoloop doctor",
-                           "HEAD^{tree}"], capture_output=True, text=True, stdin=subprocess.DEVNULL,
-                          env={**os.environ, "GIT_TERMINAL_PROMPT": "0"}, timeout=ANSWER_TIMEOUT_S)
+    try:
+        proc = answer(["git", "-C", str(repo.working_tree_dir), "commit-tree", "-S", "-m", "autoloop doctor",
+                       "HEAD^{tree}"], env={**os.environ, "GIT_TERMINAL_PROMPT": "0"})
+    except subprocess.TimeoutExpired:
+        return Finding("git signing", WARN, f"commit.gpgsign is on and the signer did not answer in "
+                                            f"{ANSWER_TIMEOUT_S:.0f} s (it may wait for a passphrase); the loop runs "
+                                            "(its commits are unsigned), your own commits here may hang",
+                       "cache the passphrase (gpg-agent) or `git config commit.gpgsign false` in this repo")
     if proc.returncode == 0:
         return Finding("git signing", OK, "commit.gpgsign is on and the signer works (the loop's own commits are "
                                           "unsigned: a signer must never prompt at night)")
@@ -126,24 +153,31 @@ def check_signing(repo) -> Finding:
                    f"fix the signer ({program}, user.signingkey), or `git config commit.gpgsign false` in this repo")
 
 
-def check_gpu(settings: Settings, info, problem: str | None) -> Finding:
+def check_gpu(settings: Settings, env: dict[str, str], info, problem: str | None) -> Finding:
+    """As the loop checks before experiment 1 (gpu.Check): only where runs use this machine's GPUs, not when
+    the CPU is chosen on purpose (AUTOLOOP_DEVICE=cpu, --gpus '', CUDA_VISIBLE_DEVICES=)."""
     if problem:
-        return Finding("gpu / torch", FAIL, problem.split(". ")[0], "pip install -e . (or fix prepare.py)")
+        return Finding("gpu / torch", FAIL, problem.split(". Install")[0],
+                       "install autoloop's dependencies into this Python (pip install autoloop-ml; in a clone: "
+                       "pip install -e .), or fix prepare.py")
     torch = (info.torch if info else None) or {}
-    driver = gpu.nvidia_smi()
+    check = gpu.Check.start(settings, env)
     usable = bool(torch.get("available"))
-    if driver is not None and not usable:
-        lines = gpu.driver_problem(driver, torch, sys.executable, dict(os.environ)).splitlines()
-        return Finding("gpu / torch", FAIL, " ".join(line.strip() for line in lines[:3]), " ".join(lines[3:4]))
-    if settings.profile == "gpu" and not usable:
-        text = gpu.profile_problem(driver, torch, sys.executable)
-        return Finding("gpu / torch", FAIL, text.split("\n")[0], text.split("\n")[1])
-    if driver is None:
-        return Finding("gpu / torch", OK, f"no NVIDIA GPU (nvidia-smi lists none); torch {torch.get('version', '?')}"
-                                          " runs on the CPU")
-    return Finding("gpu / torch", OK, f"{len(driver.gpus)} x {driver.gpus[0]}, driver {driver.version}; torch "
-                                      f"{torch.get('version')} built for CUDA {torch.get('cuda')} sees "
-                                      f"{torch.get('devices')} device(s)")
+    if check.check_driver and not usable:
+        lines = gpu.driver_problem(check.driver, torch, sys.executable, env).splitlines()
+        return Finding("gpu / torch", FAIL, " ".join(line.strip() for line in lines[:3]),
+                       f"\n{'':19}".join(line.strip() for line in lines[3:]))
+    if check.check_profile and not usable:
+        text = gpu.profile_problem(check.driver, torch, sys.executable).split("\n")
+        return Finding("gpu / torch", FAIL, text[0], " ".join(text[1:]))
+    if check.driver is None:
+        why = "not checked: the CPU is chosen" if settings.profile != "gpu" and (
+            gpu._device_chosen(env) or gpu._gpus_hidden(env, settings.executor_options.get("gpus"))) \
+            else "no NVIDIA GPU (nvidia-smi lists none)"
+        return Finding("gpu / torch", OK, f"{why}; torch {torch.get('version', '?')} runs on the CPU")
+    return Finding("gpu / torch", OK, f"{len(check.driver.gpus)} x {check.driver.gpus[0]}, driver "
+                                      f"{check.driver.version}; torch {torch.get('version')} built for CUDA "
+                                      f"{torch.get('cuda')} sees {torch.get('devices')} device(s)")
 
 
 def check_data(settings: Settings, info) -> Finding:
@@ -168,38 +202,41 @@ def planned_experiments(settings: Settings) -> int:
     return NIGHT
 
 
-def model_bytes(settings: Settings, profile: str | None) -> int:
-    """A saved model's size: the largest one this repo kept, else an estimate from train.py's size constants
-    (a GPT: 12 L d^2 + 2 V d parameters, saved in fp32), else 1 GiB."""
-    saved = [p.stat().st_size for p in (settings.repo / ".autoloop").glob("*/runs/*/model.pt")]
+def model_bytes(settings: Settings, profile: str | None, vocab: int | None) -> tuple[int, bool]:
+    """A saved model's size, and whether it was measured: the largest this session kept, else an estimate from
+    train.py's size constants (a GPT: 12 L d^2 + 2 V d parameters, saved in fp32), else 1 GiB."""
+    saved = [p.stat().st_size for p in (settings.repo / ".autoloop" / settings.tag / "runs").glob("*/model.pt")]
     if saved:
-        return max(saved)
+        return max(saved), True
     try:
         values = {c.name: c.value for c in read_constants((settings.repo / "train.py").read_text(), profile)}
         depth, head = int(values["DEPTH"]), int(values.get("HEAD_DIM", 64))
         width = math.ceil(depth * int(values["ASPECT_RATIO"]) / head) * head
-        return 4 * (12 * depth * width ** 2 + 2 * 32768 * width)
+        return 4 * (12 * depth * width ** 2 + 2 * (vocab or VOCAB) * width), False
     except (OSError, KeyError, TypeError, ValueError):
-        return 1 << 30
+        return 1 << 30, False
 
 
 def check_disk(settings: Settings, info, slots: int | None = None) -> Finding:
-    """The night's footprint: the models kept at once (baseline, best, one in flight per slot) with room to
-    grow, every run's logs, and some spare; against the free space where the session's state lives."""
+    """The night's footprint: the models kept at once (baseline, best, one in flight per slot), every run's
+    logs, and some spare, against the free space where the session's state lives. Below that: FAIL. Below room
+    for models GROWTH times the default's (the search may grow the model; a measured size already has): warn."""
     driver = None if (info and info.profile or settings.profile) and (slots or settings.workers) else gpu.nvidia_smi()
     profile = (info.profile if info else None) or settings.profile or ("gpu" if driver else "cpu")
     slots = slots or settings.workers or (len(driver.gpus) if driver else 1)
     n = planned_experiments(settings)
-    model = model_bytes(settings, profile)
-    need = (2 + slots) * GROWTH * model + n * LOG_MB * 2 ** 20 + SPARE_GB * 2 ** 30
+    model, measured = model_bytes(settings, profile, info.vocab if info else None)
+    logs = n * LOG_MB * 2 ** 20 + SPARE_GB * 2 ** 30
+    need = (2 + slots) * model + logs
+    roomy = need if measured else (2 + slots) * GROWTH * model + logs
     where = settings.repo / ".autoloop"
     free = shutil.disk_usage(where if where.exists() else settings.repo).free
-    text = (f"{free / 2 ** 30:.1f} GiB free at {settings.repo}; a night of {n} experiments needs about "
-            f"{need / 2 ** 30:.1f} GiB (models of ~{model / 2 ** 20:.0f} MiB, logs)")
+    text = (f"{free / 2 ** 30:.1f} GiB free at {settings.repo}; {n} experiment{'s' if n != 1 else ''} need about "
+            f"{need / 2 ** 30:.1f} GiB ({2 + slots} models of ~{model / 2 ** 20:.0f} MiB at once, logs, 1 GiB spare)")
     if free < need:
         return Finding("disk", FAIL, text, "free some space, or plan fewer experiments (--max-experiments)")
-    if free < 2 * need:
-        return Finding("disk", WARN, text + ": little to spare", "free some space")
+    if free < roomy:
+        return Finding("disk", WARN, text + f"; a model grown {GROWTH}x would not fit", "free some space")
     return Finding("disk", OK, text)
 
 
@@ -218,6 +255,26 @@ def check_extras(settings: Settings) -> Finding:
     return Finding("extras", OK, listed)
 
 
+def check_proposer(settings: Settings, info) -> Finding:
+    """The proposer loads and accepts its options (a model name, an API key, an agent command), as the loop
+    makes it before experiment 1; nothing is asked of it."""
+    from .proposers import Context, load
+    from .spend import Spend
+
+    try:
+        cls = load(settings.proposer)
+        with tempfile.TemporaryDirectory() as tmp:
+            proposer = cls(Context(repo=settings.repo, tag=settings.tag, seed=settings.seed,
+                                   profile=(info.profile if info else None) or settings.profile,
+                                   options=dict(settings.options), spend=Spend(Path(tmp) / "spend.jsonl"),
+                                   pass_env=tuple(settings.pass_env)))
+            proposer.close()
+    except LoopError as e:
+        return Finding("proposer", FAIL, str(e).split("; ")[0], str(e).partition("; ")[2] or
+                       "see `autoloop proposers` and `autoloop run --help`")
+    return Finding("proposer", OK, f"{settings.proposer} loads with these options")
+
+
 def check_agent(options: dict) -> Finding:
     """The agent CLI is on PATH and answers `--version` (presets only: a custom --agent-cmd may not have one)."""
     from .proposers.agent import agent_argv
@@ -233,8 +290,7 @@ def check_agent(options: dict) -> Finding:
     if options.get("agent_cmd"):
         return Finding("agent", OK, f"{exe} (a custom --agent-cmd: not asked to answer)")
     try:
-        proc = subprocess.run([exe, "--version"], capture_output=True, text=True, stdin=subprocess.DEVNULL,
-                              timeout=ANSWER_TIMEOUT_S)
+        proc = answer([exe, "--version"])
     except (OSError, subprocess.TimeoutExpired) as e:
         return Finding("agent", FAIL, f"{exe} --version did not answer ({type(e).__name__})",
                        "run it by hand: it may wait for a login or an update prompt")

@@ -106,11 +106,18 @@ def exclude_state(repo: git.Repo) -> None:
         exclude.write_text(text + ("" if text.endswith("\n") or not text else "\n") + "\n".join(missing) + "\n")
 
 
+def identity_known(repo: git.Repo) -> bool:
+    """Whether git itself resolves user.name and user.email here (GIT_CONFIG_GLOBAL and includes too, which
+    gitpython's config reader does not follow)."""
+    try:
+        return all(repo.git.config("--get", key).strip() for key in ("user.name", "user.email"))
+    except git.GitCommandError:  # exit 1: unset
+        return False
+
+
 def _git(repo: git.Repo, *args: str) -> str:
     """Run git as the user when they configured an identity, else as autoloop (so commits always work)."""
-    reader = repo.config_reader()
-    known = reader.has_option("user", "name") and reader.has_option("user", "email")
-    return repo.git.execute(["git", *([] if known else IDENTITY), *args])
+    return repo.git.execute(["git", *([] if identity_known(repo) else IDENTITY), *args])
 
 
 def ensure_worktree(repo: git.Repo, tag: str, path: Path) -> git.Repo:

@@ -22,6 +22,7 @@ if os.path.exists("prepare.py"):
     info.update(manifest=str(getattr(prepare, "MANIFEST_PATH", "") or ""), profile=getattr(prepare, "PROFILE", None),
                 time_budget=getattr(prepare, "TIME_BUDGET", None), artifacts=hasattr(prepare, "save_eval_artifact"),
                 dataset=getattr(prepare, "DATASET", None), smoke_warning=getattr(prepare, "SMOKE_TEST_WARNING", None),
+                vocab=getattr(prepare, "VOCAB_SIZE", None),
                 cache=str(getattr(prepare, "CACHE_DIR", "") or ""), result_file=hasattr(prepare, "_write_result"))
 if "torch" in sys.argv[1:] or "torch" in sys.modules:  # torch's view of CUDA (free when prepare imported it)
     try:
@@ -46,6 +47,7 @@ class HarnessInfo:
     smoke_warning: str | None = None  # what prepare.py says of a corpus too small for the profile
     cache: str = ""  # where prepare.py keeps its data (CACHE_DIR), as resolved with the controller's HOME
     result_file: bool = False  # `prepare.py --evaluate --result FILE` (older ones print the result instead)
+    vocab: int | None = None  # the tokenizer's vocabulary (VOCAB_SIZE), for size estimates
 
 
 def sha256_file(path: Path) -> str:
@@ -84,7 +86,8 @@ def query(workdir: Path, env: dict[str, str], torch: bool = False) -> HarnessInf
     data = json.loads(line.split(" ", 1)[1])
     return HarnessInfo(Path(data["manifest"]) if data.get("manifest") else None, data.get("profile"),
                        data.get("time_budget"), bool(data.get("artifacts")), data.get("torch"), data.get("dataset"),
-                       data.get("smoke_warning"), data.get("cache") or "", bool(data.get("result_file")))
+                       data.get("smoke_warning"), data.get("cache") or "", bool(data.get("result_file")),
+                       data.get("vocab") if isinstance(data.get("vocab"), int) else None)
 
 
 def manifest_digest(manifest_path: Path) -> str:

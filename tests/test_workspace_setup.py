@@ -86,7 +86,52 @@ def test_init_existing_adds_only_what_is_missing(tmp_path):
     proc = autoloop("init", "--existing", str(bare))
     assert proc.returncode == 1 and "no train.py" in proc.stderr and "Traceback" not in proc.stderr
     proc = autoloop("init", "--existing", str(tmp_path / "nowhere"))
-    assert proc.returncode == 1 and "not a git repository" in proc.stderr
+    assert proc.returncode == 1 and "not in a git repository" in proc.stderr
+    (up / "sub").mkdir()
+    proc = autoloop("init", "--existing", str(up / "sub"))
+    assert proc.returncode == 1 and f"init --existing {up}" in proc.stderr
+
+
+@pytest.mark.parametrize("case, message", [
+    ("invalid toml", "is not valid TOML"),
+    ("dirty pyproject", "uncommitted changes to pyproject.toml"),
+    ("untracked train.py", "train.py is not committed"),
+    ("table with a comment", None),
+    ("dotted table", None),
+])
+def test_init_existing_refuses_or_respects_what_it_finds(tmp_path, case, message):
+    files = {"train.py": "print(1)\n", "pyproject.toml": {
+        "invalid toml": "[project\nname = 1\n", "table with a comment": "[tool.autoloop]  # mine\nbudget = 60\n",
+        "dotted table": "[tool]\nautoloop = { budget = 60 }\n"}.get(case, '[project]\nname = "x"\n')}
+    if case == "untracked train.py":
+        files.pop("train.py")
+    repo = make_repo(tmp_path / "r", files)
+    if case == "untracked train.py":
+        (tmp_path / "r" / "train.py").write_text("print(1)\n")
+    if case == "dirty pyproject":
+        (tmp_path / "r" / "pyproject.toml").write_text('[project]\nname = "mine, not yet committed"\n')
+    before = {p.name: p.read_text() for p in (tmp_path / "r").iterdir() if p.is_file()}
+    head = repo.head.commit
+    proc = autoloop("init", "--existing", str(tmp_path / "r"))
+    if message:
+        assert proc.returncode == 1 and message in proc.stderr and "Traceback" not in proc.stderr
+        assert repo.head.commit == head
+        assert {p.name: p.read_text() for p in (tmp_path / "r").iterdir() if p.is_file()} == before  # untouched
+    else:
+        assert proc.returncode == 0, proc.stderr
+        assert (tmp_path / "r" / "pyproject.toml").read_text() == before["pyproject.toml"]  # its table is kept
+        assert sorted(repo.head.commit.stats.files) == [".gitignore", "prepare.py", "program.md"]
+        assert autoloop("doctor", "--repo", str(tmp_path / "r")).returncode == 0  # still a valid pyproject.toml
+
+
+def test_init_accepts_a_directory_holding_only_a_virtualenv(tmp_path):
+    (tmp_path / "exp" / ".venv" / "bin").mkdir(parents=True)
+    proc = autoloop("init", str(tmp_path / "exp"))
+    assert proc.returncode == 0, proc.stderr
+    repo = git.Repo(tmp_path / "exp")
+    assert not repo.is_dirty(untracked_files=True)  # .venv/ is ignored by the workspace's .gitignore
+    bad = autoloop("init", str(tmp_path / "exp" / "train.py" / "sub"))
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr
 
 
 # --- doctor -------------------------------------------------------------------------------------------------
@@ -102,18 +147,36 @@ def test_doctor_ready_on_a_healthy_repo(repo):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert out.strip().splitlines()[-1].startswith("doctor: ready")
-    for check in ("repository", "git identity", "git signing", "gpu / torch", "data", "disk", "extras"):
+    for check in ("repository", "git identity", "git signing", "gpu / torch", "data", "disk", "extras", "proposer"):
         assert lines_of(check, out).startswith("ok"), out
     assert "commits as test <test@example.com>" in out
 
 
 def test_doctor_gpu_torch_cannot_use(repo, tmp_path):
-    env = env_with(fake_nvidia_smi(tmp_path / "smi", driver="470.82.01", cuda="11.4"))
+    env = env_with(fake_nvidia_smi(tmp_path / "smi", driver="535.104.05", cuda="12.2"))
     proc = autoloop("doctor", "--repo", str(repo), env=env)
     assert proc.returncode == 1, proc.stdout
-    line = lines_of("gpu / torch", proc.stdout)
-    assert line.startswith("FAIL") and "torch cannot use CUDA" in line and "470.82.01" in line
-    assert "would stop the loop" in proc.stdout
+    out = proc.stdout
+    line = lines_of("gpu / torch", out)
+    assert line.startswith("FAIL") and "torch cannot use CUDA" in line and "535.104.05" in line
+    assert "--index-url https://download.pytorch.org/whl/cu121" in out  # the command that fixes it
+    assert "would stop the loop" in out
+    # the CPU chosen on purpose: the loop skips the check, and so does doctor
+    for args, extra in ((["--gpus", ""], {}), ([], {"AUTOLOOP_DEVICE": "cpu"})):
+        proc = autoloop("doctor", "--repo", str(repo), *args, env={**env, **extra})
+        assert proc.returncode == 0 and "the CPU is chosen" in lines_of("gpu / torch", proc.stdout), proc.stdout
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["--proposer", "nope"], "unknown proposer 'nope'"),
+    (["--proposer", "llm"], "needs a model"),
+    (["--proposer", "llm", "--llm-model", "m", "--llm-base-url", "https://api.example.com/v1"], "no API key"),
+])
+def test_doctor_fails_on_a_proposer_the_loop_would_refuse(repo, args, expect):
+    env = subprocess_env()
+    env.pop("OPENAI_API_KEY", None)
+    proc = autoloop("doctor", "--repo", str(repo), *args, env=env)
+    assert proc.returncode == 1 and expect in lines_of("proposer", proc.stdout), proc.stdout
 
 
 def test_doctor_signing_with_a_broken_signer_warns_and_the_loop_still_runs(repo, tmp_path):
@@ -178,7 +241,19 @@ def test_doctor_and_run_with_a_missing_or_silent_agent_cli(repo, tmp_path):
 def test_doctor_and_run_refuse_a_night_the_disk_cannot_hold(repo):
     proc = autoloop("doctor", "--repo", str(repo), "--max-experiments", str(10 ** 9))
     line = lines_of("disk", proc.stdout)
-    assert proc.returncode == 1 and line.startswith("FAIL") and "a night of 1000000000 experiments" in line
+    assert proc.returncode == 1 and line.startswith("FAIL") and "1000000000 experiments need" in line
     run = autoloop("run", "--repo", str(repo), "--tag", "d", "--budget", "1", "--max-experiments", str(10 ** 9))
     assert run.returncode == 1 and "GiB free" in run.stderr and "Traceback" not in run.stderr
     assert not Paths(repo, "d").ledger.exists() or not read_rows(Paths(repo, "d").ledger)
+
+
+def test_doctor_sizes_models_from_this_session_only(repo):
+    old = repo / ".autoloop" / "old" / "runs" / "7"
+    old.mkdir(parents=True)
+    with open(old / "model.pt", "wb") as f:  # sparse: a grown model of another session takes no disk here
+        f.truncate(7 << 30)
+    proc = autoloop("doctor", "--repo", str(repo), "--tag", "new", "--max-experiments", "1")
+    line = lines_of("disk", proc.stdout)
+    assert "1 experiment need" in line and "3 models of ~1024 MiB" in line  # fake train.py: no size constants
+    proc = autoloop("doctor", "--repo", str(repo), "--tag", "old", "--max-experiments", "1")
+    assert "3 models of ~7168 MiB" in lines_of("disk", proc.stdout)
