@@ -20,7 +20,6 @@ import os
 import re
 import secrets
 import shutil
-import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,10 +87,9 @@ def diff_of(ws: Workspace, record: Record) -> str:
 def metrics_of(record: Record) -> dict[str, float]:
     """The summary block's numbers, with the val_bpb the loop judged (under the controller train.py prints nan
     and the harness measures it), tokens per second, memory in GB, and seconds per phase and in all."""
-    metrics = {k: float(v) for k, v in record.metrics.items()
-               if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and k != "val_bpb"}
-    if record.val_bpb is not None:
-        metrics["val_bpb"] = record.val_bpb
+    metrics = {"val_bpb": record.val_bpb} if record.val_bpb is not None else {}  # first: UIs default to the first
+    metrics.update({k: float(v) for k, v in record.metrics.items()
+                    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and k != "val_bpb"})
     if metrics.get("training_seconds") and "total_tokens_M" in metrics:
         metrics["tokens_per_s"] = metrics["total_tokens_M"] * 1e6 / metrics["training_seconds"]
     if "peak_vram_mb" in metrics:
@@ -173,16 +171,17 @@ class MLflow(Backend):
     fluent active-run state to leak into other code."""
 
     name, uri = "mlflow", ""
-    # mlflow retries a failing request for minutes by default: a server that is down must cost seconds, once
-    HTTP = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
-            "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+    # mlflow retries a failing request for minutes by default: a server that is down must cost seconds, once; and
+    # it prints two "View run ... at" lines per run to stdout, on the loop's quiet console
+    ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+           "MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}
 
     def open(self, state: State) -> None:
-        for key, value in self.HTTP.items():
+        for key, value in self.ENV.items():
             os.environ.setdefault(key, value)  # yours win
         from mlflow import MlflowClient
 
-        logging.getLogger("mlflow").setLevel(logging.WARNING)  # after its import: no "View run ... at" line per run
+        logging.getLogger("mlflow").setLevel(logging.WARNING)  # after its import: no INFO lines (creating tables)
 
         local = self.ws.settings.repo.resolve() / ".autoloop"
         self.uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{local / 'mlflow.db'}"
@@ -248,15 +247,13 @@ class MLflow(Backend):
                               metrics=[Metric(k, v, t, e.n) for k, v in progress.items() if v is not None])
 
     def close(self, state: State, stop: str, files: list[Path]) -> None:
-        from mlflow.entities import Metric, RunTag
+        from mlflow.entities import RunTag
 
         parent = self.saved["parent"]
         for path in files:
             self.client.log_artifact(parent, str(path))
-        t, totals = int(time.time() * 1000), session_totals(self.ws, state)
-        self.client.log_batch(parent, metrics=[Metric(k, v, t, state.done) for k, v in totals.items()
-                                               if isinstance(v, (int, float))],
-                              tags=[RunTag("stop", stop), RunTag("best_commit", state.best_commit)])
+        totals = {**session_totals(self.ws, state), "stop": stop, "best_commit": state.best_commit}
+        self.client.log_batch(parent, tags=[RunTag(k, str(v)) for k, v in totals.items() if v is not None])
         self.client.set_terminated(parent, "KILLED" if stop.startswith("interrupted") else "FINISHED")
 
     def explain(self, error: Exception) -> str:
@@ -337,7 +334,8 @@ class WandB(Backend):
 
 
 def session_totals(ws: Workspace, state: State) -> dict[str, object]:
-    """The session's counts, baseline and spend (the proposer's every request, from the spend ledger)."""
+    """The session's counts, baseline and spend (the proposer's every request, from the spend ledger): the parent
+    run's tags (MLflow) or summary (W&B); its metrics are the series val_bpb and best_val_bpb by experiment."""
     counts = {s.value: sum(r.status == s for r in state.records) for s in Status}
     return {"experiments": state.done, **counts, "baseline_val_bpb": state.baseline_bpb,
             "llm_tokens": ws.spend.tokens, "llm_cost_usd": ws.spend.cost}  # best_val_bpb: the last of its history

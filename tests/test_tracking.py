@@ -7,6 +7,7 @@ import glob
 import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import struct
@@ -51,10 +52,10 @@ def run(repo: Path, experiments: int, *tracker: str):
 
 @pytest.fixture(autouse=True)
 def tracker_env(monkeypatch):
-    """No telemetry, no login, and mlflow's HTTP settings (which the tracker sets in-process) put back afterwards."""
+    """No telemetry, no login, and the mlflow settings the tracker sets in-process put back afterwards."""
     monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
     monkeypatch.setenv("DO_NOT_TRACK", "true")
-    for key in [*MLflow.HTTP, "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "WANDB_PROJECT", "WANDB_API_KEY"]:
+    for key in [*MLflow.ENV, "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "WANDB_PROJECT", "WANDB_API_KEY"]:
         monkeypatch.setenv(key, "")  # remembers the value to restore ...
         monkeypatch.delenv(key)  # ... and leaves it unset for the test
 
@@ -98,6 +99,11 @@ def mlflow_url(mlflow_server) -> str:
         except OSError:
             assert server.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.3)
+
+
+def quiet(output: str) -> bool:
+    """The loop's console and nothing else: its own lines, the table's rows and the progress lines."""
+    return all(re.match(r"autoloop: |\s*#|\s*\d+\s", line) for line in output.splitlines())
 
 
 def children_of(client, experiment_id: str, parent: str) -> dict[int, object]:
@@ -174,7 +180,7 @@ def test_wandb_offline_and_mlflow_default_store_together(fake_repo, plan, monkey
     repo = fake_repo(train(1.0))
     plan(PLAN)
     first = run(repo, 4, "wandb", "mlflow")
-    assert first.exit_code == 0 and "warning" not in first.output and " INFO " not in first.output, first.output
+    assert first.exit_code == 0 and "warning" not in first.output and quiet(first.output), first.output
 
     session_id = json.loads((Paths(repo, "t1").state / "trackers.json").read_text())["wandb"]["session"]
     offline = str(tmp_path / "wb" / "wandb_dir" / "wandb" / "offline-run-*" / "*.wandb")
@@ -208,7 +214,7 @@ def test_wandb_offline_and_mlflow_default_store_together(fake_repo, plan, monkey
     assert git.Repo(repo).git.status("--porcelain", "--ignored=no") == ""  # the repo's root stays clean
 
     second = run(repo, 5, "wandb")
-    assert second.exit_code == 0 and "warning" not in second.output, second.output
+    assert second.exit_code == 0 and "warning" not in second.output and quiet(second.output), second.output
     ids = [wandb_run(p)["run"].run_id for p in sorted(glob.glob(offline))]
     assert sorted(ids) == sorted([session_id] * 2 + [f"{session_id}-{n}" for n in range(1, 6)])  # resumed, not redone
 
@@ -228,7 +234,7 @@ def test_mlflow_session_is_a_parent_run_with_a_child_run_per_experiment_and_resu
     repo = fake_repo(train(1.0))
     plan(PLAN)
     first = run(repo, 4, "mlflow")
-    assert first.exit_code == 0 and "warning" not in first.output, first.output
+    assert first.exit_code == 0 and "warning" not in first.output and quiet(first.output), first.output
 
     client = MlflowClient(mlflow_url)
     experiment = client.get_experiment_by_name("autoloop-repo")
@@ -260,6 +266,7 @@ def test_mlflow_session_is_a_parent_run_with_a_child_run_per_experiment_and_resu
     assert session.info.run_name == "t1" and session.info.status == "FINISHED"
     assert session.data.params["budget"] == "1.0" and "start_commit" in session.data.params
     assert session.data.tags["stop"] == "reached --max-experiments 4"
+    assert [session.data.tags[k] for k in ("experiments", "keep", "discard", "crash")] == ["4", "2", "1", "1"]
     best = client.get_metric_history(parent, "best_val_bpb")
     assert sorted((m.step, m.value) for m in best) == [(1, 1.0), (2, 0.8), (3, 0.8), (4, 0.8)]
     assert {a.path for a in client.list_artifacts(parent)} == {"progress.png", "report.md"}
@@ -267,7 +274,7 @@ def test_mlflow_session_is_a_parent_run_with_a_child_run_per_experiment_and_resu
     # the controller killed while logging experiment 5: a half-logged child run that the resume replaces
     client.create_run(experiment.experiment_id, run_name="5: half", tags={"mlflow.parentRunId": parent, "n": "5"})
     second = run(repo, 5, "mlflow")
-    assert second.exit_code == 0 and "warning" not in second.output, second.output
+    assert second.exit_code == 0 and "warning" not in second.output and quiet(second.output), second.output
     assert json.loads((Paths(repo, "t1").state / "trackers.json").read_text())["mlflow"]["parent"] == parent
     children = children_of(client, experiment.experiment_id, parent)
     assert sorted(children) == [1, 2, 3, 4, 5] and children[5].info.run_name == "5: best"
