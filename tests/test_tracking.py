@@ -114,7 +114,7 @@ def children_of(client, experiment_id: str, parent: str) -> dict[int, object]:
 
 
 def test_a_tracker_that_is_down_warns_once_and_the_loop_goes_on(fake_repo, plan, monkeypatch):
-    pytest.importorskip("mlflow")
+    mlflow = pytest.importorskip("mlflow")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")  # nothing listens there
     repo = fake_repo(train(1.0))
     plan(PLAN)
@@ -126,6 +126,15 @@ def test_a_tracker_that_is_down_warns_once_and_the_loop_goes_on(fake_repo, plan,
     assert "MLFLOW_TRACKING_URI" in warnings[0]  # the fix
     assert "Traceback" not in result.output and len(read_rows(repo / "results.tsv")) == 3
     assert time.monotonic() - t < 60
+
+    # as the warning promises: the same command, with a tracker that works, logs what it missed
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")  # the default store in .autoloop/
+    again = run(repo, 3, "mlflow")
+    assert again.exit_code == 0 and "warning" not in again.output and quiet(again.output), again.output
+    store = mlflow.MlflowClient(f"sqlite:///{repo / '.autoloop' / 'mlflow.db'}")
+    parent = json.loads((Paths(repo, "t1").state / "trackers.json").read_text())["mlflow"]["parent"]
+    experiment = store.get_experiment_by_name("autoloop-repo").experiment_id
+    assert sorted(children_of(store, experiment, parent)) == [1, 2, 3]
 
 
 def wandb_records(path: str):
