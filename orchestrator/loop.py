@@ -102,8 +102,10 @@ def _session(settings: Settings, echo: Callable[[str], None]) -> State:
             proposer.close()
         write_status(ws.paths, phase="finished", train_pid=None, train_pids={}, running=[])
         echo(session_summary(settings, state, stop))
-        holdout_check(ws, executor, state, echo)
-        trackers.finish(state, stop)
+        try:
+            holdout_check(ws, executor, state, echo)
+        finally:  # a Ctrl-C during the held-out check still closes the trackers' runs
+            trackers.finish(state, stop)
         return state
 
 
