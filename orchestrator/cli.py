@@ -50,6 +50,8 @@ def apply_pyproject(ctx: click.Context, values: dict, repo: Path) -> dict:
                                            f"known keys: {known}")
             continue
         if ctx.get_parameter_source(name) == ParameterSource.DEFAULT:
+            if params[name].multiple and isinstance(raw, str):
+                raw = [raw]  # tracker = "mlflow" as well as ["mlflow", "wandb"]
             try:
                 values[name] = params[name].type_cast_value(ctx, raw)
             except click.BadParameter as e:
@@ -150,7 +152,9 @@ def main() -> None:
 @click.option("--tracker", "tracker", multiple=True, type=click.Choice(["mlflow", "wandb"]),
               envvar="AUTOLOOP_TRACKER", show_envvar=True,
               help="Mirror the session to an experiment tracker (repeatable; extras mlflow, wandb): the session is a "
-                   "parent run, each experiment a child run.")
+                   "parent run, each experiment a child run. MLFLOW_TRACKING_URI (unset: .autoloop/mlflow.db), "
+                   "WANDB_MODE=offline work; one that fails warns once and is switched off. The env twin takes "
+                   "names separated by spaces.")
 @click.pass_context
 def run(ctx: click.Context, **values) -> None:
     """Run the loop until a limit, the proposer runs dry, or Ctrl-C. Re-run the same command to resume."""

@@ -10,12 +10,14 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import math
+import netrc
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,6 +70,8 @@ def run_checks(settings: Settings) -> list[Finding]:
     findings.append(check_data(settings, info))
     findings.append(check_disk(settings, info))
     findings.append(check_extras(settings))
+    if settings.trackers:
+        findings.append(check_trackers(settings))
     # the agent proposer's own checks are check_agent's (on PATH) and more (it answers)
     findings.append(check_agent(settings.options) if settings.proposer == "agent" else check_proposer(settings, info))
     return findings
@@ -250,9 +254,48 @@ def check_extras(settings: Settings) -> Finding:
                        " && ".join(install_hint(m) for m in missing))
     untracked = sorted(set(settings.trackers) - installed)
     if untracked:
-        return Finding("extras", WARN, f"--tracker {', '.join(untracked)} is not installed: it would be switched off "
-                                       f"({listed})", " && ".join(install_hint(m) for m in untracked))
+        return Finding("extras", WARN, f"--tracker {', '.join(untracked)} {'is' if len(untracked) == 1 else 'are'} "
+                                       f"not installed: switched off for the night ({listed})",
+                       install_hint(",".join(untracked)))
     return Finding("extras", OK, listed)
+
+
+def check_trackers(settings: Settings) -> Finding:
+    """Each --tracker reachable: a tracker that is not is switched off for the night (it never stops the loop)."""
+    said, problems = [], []
+    for name in dict.fromkeys(settings.trackers):
+        if importlib.util.find_spec(name) is None:
+            continue  # check_extras says so
+        if name == "mlflow":
+            uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+            if uri.startswith(("http://", "https://")):
+                try:
+                    urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=5).close()
+                    said.append(f"mlflow server {uri} answers")
+                except (OSError, ValueError) as e:
+                    problems.append((f"mlflow: cannot reach {uri} ({getattr(e, 'reason', e)})",
+                                     "start the server, or fix MLFLOW_TRACKING_URI"))
+            else:
+                said.append(f"mlflow store {uri or 'sqlite:///.autoloop/mlflow.db (the default)'}")
+        elif name == "wandb":
+            mode = os.environ.get("WANDB_MODE", "")
+            if mode in ("offline", "dryrun", "disabled"):
+                said.append(f"wandb {mode} (files in .autoloop/wandb/, `wandb sync` them later)")
+            elif os.environ.get("WANDB_API_KEY") or _netrc_has("api.wandb.ai"):
+                said.append("wandb logged in (the key is not verified here)")
+            else:
+                problems.append(("wandb: not logged in", "wandb login, or WANDB_MODE=offline"))
+    if problems:
+        return Finding("trackers", WARN, "; ".join(p for p, _ in problems) + ": switched off for the night"
+                       + (f" ({'; '.join(said)})" if said else ""), "; ".join(f for _, f in problems))
+    return Finding("trackers", OK, "; ".join(said) or "none chosen (--tracker mlflow|wandb)")
+
+
+def _netrc_has(host: str) -> bool:
+    try:
+        return netrc.netrc().authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
 
 
 def check_proposer(settings: Settings, info) -> Finding:

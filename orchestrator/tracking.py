@@ -141,7 +141,21 @@ class Backend:
     name = ""
 
     def __init__(self, ws: Workspace, saved: dict):
-        self.ws, self.saved = ws, saved
+        self.ws, self.everywhere, self.saved = ws, saved, saved
+        self.note = ""  # said once on the console after open (e.g. a store other than last time's)
+
+    def store(self, key: str) -> None:
+        """Make `saved` the part of trackers.json for this store (a tracking URI, a project): a session mirrored
+        to several stores over its resumes continues in each, and never logs an experiment twice in one."""
+        stores = self.everywhere.setdefault("stores", {})
+        if "logged" in self.everywhere:  # trackers.json as written before stores were kept apart
+            old = {k: self.everywhere.pop(k) for k in list(self.everywhere) if k != "stores"}
+            stores.setdefault(old.get("uri") or old.get("project") or "", old)
+        before = [k for k in stores if k != key]
+        if key not in stores and before:
+            self.note = (f"--tracker {self.name} now logs to {key} (this session was mirrored to {before[-1]} "
+                         "before); the whole session is logged there")
+        self.saved = stores.setdefault(key, {})
 
     def open(self, state: State) -> None:
         """Open the session's parent run, or continue the one in `saved`."""
@@ -190,10 +204,11 @@ class MLflow(Backend):
         found = self.client.get_experiment_by_name(name)
         self.experiment = found.experiment_id if found else self.client.create_experiment(
             name, artifact_location=None if os.environ.get("MLFLOW_TRACKING_URI") else (local / "mlartifacts").as_uri())
-        if self.saved.get("uri") == self.uri and self._active(self.saved.get("parent")):
+        self.store(f"{self.uri} (experiment {name})")
+        if self._active(self.saved.get("parent")):
             self.client.update_run(self.saved["parent"], status="RUNNING")
             self._drop_half_logged()
-        else:  # a new session, or a store that does not have it: everything is logged (again) there
+        else:  # a new session, or a store that lost it: everything is logged there
             self.saved.clear()
             self.saved.update(uri=self.uri, parent=self._new_parent(state), logged=[])
 
@@ -288,7 +303,8 @@ class WandB(Backend):
         self.dir = Path(os.environ.get("WANDB_DIR") or self.ws.settings.repo.resolve() / ".autoloop")
         self.dir.mkdir(parents=True, exist_ok=True)
         project = os.environ.get("WANDB_PROJECT") or f"autoloop-{self.ws.settings.repo.resolve().name}"
-        if self.saved.get("project") != project or not self.saved.get("session"):
+        self.store(project)
+        if not self.saved.get("session"):
             self.saved.clear()
             self.saved.update(project=project, session=secrets.token_hex(4), logged=[])
         self.session = self._init(id=self.saved["session"], name=self.ws.settings.tag, job_type="session",
@@ -296,7 +312,7 @@ class WandB(Backend):
 
     def _init(self, stats: bool = True, **kw):
         settings = self.wandb.Settings(console="off", silent=True, disable_git=True, x_save_requirements=False,
-                                       x_disable_stats=not stats, init_timeout=30)
+                                       x_disable_stats=not stats, init_timeout=15)
         return self.wandb.init(project=self.saved["project"], group=self.ws.settings.tag, dir=self.dir,
                                resume="allow", reinit="create_new", settings=settings, **kw)
 
@@ -328,9 +344,18 @@ class WandB(Backend):
                                      "best_commit": state.best_commit})
         self.session.finish(exit_code=1 if stop.startswith("interrupted") else 0)
 
+    def explain(self, error: Exception) -> str:
+        text = str(error)
+        if any(s in text for s in ("dial tcp", "context deadline", "lookup ", "timed out", "Connection")):
+            self.offline_hint = True
+            return "cannot reach W&B's server"
+        return one_line(error)
+
     def fix(self) -> str:
-        return ("log in (`wandb login` or WANDB_API_KEY) or log offline (WANDB_MODE=offline); the experiments it "
-                "misses are logged when you run the same command again")
+        first = ("check the network, or log offline (WANDB_MODE=offline) and `wandb sync .autoloop/wandb/offline-run-*` "
+                 "later" if getattr(self, "offline_hint", False) else
+                 "log in (`wandb login` or WANDB_API_KEY) or log offline (WANDB_MODE=offline)")
+        return first + "; the experiments it misses are logged when you run the same command again"
 
 
 def session_totals(ws: Workspace, state: State) -> dict[str, object]:
@@ -365,7 +390,8 @@ class Trackers:
         for name in self.names:
             backend = BACKENDS[name](self.ws, self.saved.setdefault(name, {}))
             self.backends.append(backend)
-            self._guard(backend, "starting", backend.open, state)
+            if self._guard(backend, "starting", backend.open, state) and backend.note:
+                self.echo(f"autoloop: note: {backend.note}")
         self._save()
         so_far = replay([], state.start_commit)  # the state after each experiment: the parent's running best
         for record in state.records:

@@ -106,6 +106,14 @@ def quiet(output: str) -> bool:
     return all(re.match(r"autoloop: |\s*#|\s*\d+\s", line) for line in output.splitlines())
 
 
+def saved(repo: Path, tracker: str, store: str | None = None) -> dict:
+    """A tracker's part of trackers.json for one store (the only one, or the one whose key starts with `store`)."""
+    stores = json.loads((Paths(repo, "t1").state / "trackers.json").read_text())[tracker]["stores"]
+    keys = [k for k in stores if store is None or k.startswith(store)]
+    assert len(keys) == 1, stores
+    return stores[keys[0]]
+
+
 def children_of(client, experiment_id: str, parent: str) -> dict[int, object]:
     runs = client.search_runs([experiment_id], f"tags.mlflow.parentRunId = '{parent}'")
     by_n = {int(r.data.tags["n"]): r for r in runs}
@@ -132,7 +140,7 @@ def test_a_tracker_that_is_down_warns_once_and_the_loop_goes_on(fake_repo, plan,
     again = run(repo, 3, "mlflow")
     assert again.exit_code == 0 and "warning" not in again.output and quiet(again.output), again.output
     store = mlflow.MlflowClient(f"sqlite:///{repo / '.autoloop' / 'mlflow.db'}")
-    parent = json.loads((Paths(repo, "t1").state / "trackers.json").read_text())["mlflow"]["parent"]
+    parent = saved(repo, "mlflow")["parent"]
     experiment = store.get_experiment_by_name("autoloop-repo").experiment_id
     assert sorted(children_of(store, experiment, parent)) == [1, 2, 3]
 
@@ -191,7 +199,7 @@ def test_wandb_offline_and_mlflow_default_store_together(fake_repo, plan, monkey
     first = run(repo, 4, "wandb", "mlflow")
     assert first.exit_code == 0 and "warning" not in first.output and quiet(first.output), first.output
 
-    session_id = json.loads((Paths(repo, "t1").state / "trackers.json").read_text())["wandb"]["session"]
+    session_id = saved(repo, "wandb")["session"]
     offline = str(tmp_path / "wb" / "wandb_dir" / "wandb" / "offline-run-*" / "*.wandb")
     runs = [wandb_run(p) for p in sorted(glob.glob(offline))]
     by_id = {r["run"].run_id: r for r in runs}
@@ -218,7 +226,7 @@ def test_wandb_offline_and_mlflow_default_store_together(fake_repo, plan, monkey
     store = mlflow.MlflowClient(f"sqlite:///{repo / '.autoloop' / 'mlflow.db'}")
     experiment = store.get_experiment_by_name("autoloop-repo")
     assert experiment.artifact_location == (repo / ".autoloop" / "mlartifacts").as_uri()
-    parent = json.loads((Paths(repo, "t1").state / "trackers.json").read_text())["mlflow"]["parent"]
+    parent = saved(repo, "mlflow")["parent"]
     assert sorted(children_of(store, experiment.experiment_id, parent)) == [1, 2, 3, 4]
     assert git.Repo(repo).git.status("--porcelain", "--ignored=no") == ""  # the repo's root stays clean
 
@@ -247,7 +255,7 @@ def test_mlflow_session_is_a_parent_run_with_a_child_run_per_experiment_and_resu
 
     client = MlflowClient(mlflow_url)
     experiment = client.get_experiment_by_name("autoloop-repo")
-    parent = json.loads((Paths(repo, "t1").state / "trackers.json").read_text())["mlflow"]["parent"]
+    parent = saved(repo, "mlflow")["parent"]
     children = children_of(client, experiment.experiment_id, parent)
     assert sorted(children) == [1, 2, 3, 4]
     runs = {n: client.get_run(children[n].info.run_id) for n in children}
@@ -284,7 +292,7 @@ def test_mlflow_session_is_a_parent_run_with_a_child_run_per_experiment_and_resu
     client.create_run(experiment.experiment_id, run_name="5: half", tags={"mlflow.parentRunId": parent, "n": "5"})
     second = run(repo, 5, "mlflow")
     assert second.exit_code == 0 and "warning" not in second.output and quiet(second.output), second.output
-    assert json.loads((Paths(repo, "t1").state / "trackers.json").read_text())["mlflow"]["parent"] == parent
+    assert saved(repo, "mlflow")["parent"] == parent
     children = children_of(client, experiment.experiment_id, parent)
     assert sorted(children) == [1, 2, 3, 4, 5] and children[5].info.run_name == "5: best"
     assert children[5].data.tags["changed"] == "BPB, LR"  # against its parent, the best (experiment 2)
@@ -292,3 +300,22 @@ def test_mlflow_session_is_a_parent_run_with_a_child_run_per_experiment_and_resu
     assert [r.info.run_id for r in parents] == [parent]
     best = client.get_metric_history(parent, "best_val_bpb")
     assert sorted((m.step, m.value) for m in best)[-1] == (5, 0.7)
+
+    # a morning's terminal without MLFLOW_TRACKING_URI, then the server again: each store holds the session
+    # once (the local one catches up on all of it, the server on what it missed); nothing is logged twice
+    plan(PLAN + [{"description": "six", "train": train(0.75, lr=0.12)},
+                 {"description": "seven", "train": train(0.72, lr=0.11)}])
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    local = run(repo, 6, "mlflow")
+    assert local.exit_code == 0 and "warning" not in local.output, local.output
+    assert "--tracker mlflow now logs to sqlite:///" in local.output and mlflow_url in local.output
+    store = MlflowClient(f"sqlite:///{repo / '.autoloop' / 'mlflow.db'}")
+    on_disk = store.get_experiment_by_name("autoloop-repo").experiment_id
+    assert sorted(children_of(store, on_disk, saved(repo, "mlflow", "sqlite")["parent"])) == [1, 2, 3, 4, 5, 6]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_url)
+    back = run(repo, 7, "mlflow")
+    assert back.exit_code == 0 and "warning" not in back.output, back.output
+    assert saved(repo, "mlflow", mlflow_url)["parent"] == parent
+    assert sorted(children_of(client, experiment.experiment_id, parent)) == [1, 2, 3, 4, 5, 6, 7]
+    assert [r.info.run_id for r in client.search_runs([experiment.experiment_id], "tags.mlflow.runName = 't1'")] \
+        == [parent]

@@ -5,6 +5,7 @@ the only fakes are executables put first on PATH (nvidia-smi, an agent CLI, a si
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -257,3 +258,23 @@ def test_doctor_sizes_models_from_this_session_only(repo):
     assert "1 experiment need" in line and "3 models of ~1024 MiB" in line  # fake train.py: no size constants
     proc = autoloop("doctor", "--repo", str(repo), "--tag", "old", "--max-experiments", "1")
     assert "3 models of ~7168 MiB" in lines_of("disk", proc.stdout)
+
+
+def test_doctor_warns_of_a_tracker_that_would_be_switched_off(repo, tmp_path):
+    pytest.importorskip("mlflow")
+    pytest.importorskip("wandb")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there once closed
+    env = subprocess_env(MLFLOW_TRACKING_URI=f"http://127.0.0.1:{port}", HOME=str(tmp_path))  # no ~/.netrc
+    for key in ("WANDB_API_KEY", "WANDB_MODE"):
+        env.pop(key, None)
+    proc = autoloop("doctor", "--repo", str(repo), "--tracker", "mlflow", "--tracker", "wandb", env=env)
+    line = lines_of("trackers", proc.stdout)
+    assert proc.returncode == 0 and line.startswith("warn"), proc.stdout  # a tracker never stops the loop
+    assert f"cannot reach http://127.0.0.1:{port}" in line and "wandb: not logged in" in line
+    assert "WANDB_MODE=offline" in line
+    env.pop("MLFLOW_TRACKING_URI")
+    proc = autoloop("doctor", "--repo", str(repo), "--tracker", "mlflow", "--tracker", "wandb",
+                    env={**env, "WANDB_MODE": "offline"})
+    assert lines_of("trackers", proc.stdout).startswith("ok"), proc.stdout
