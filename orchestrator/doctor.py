@@ -8,6 +8,7 @@ runs but something is off. `autoloop run` runs the blocking checks that the loop
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import math
 import netrc
@@ -77,9 +78,12 @@ def run_checks(settings: Settings) -> list[Finding]:
     return findings
 
 
-def preflight(settings: Settings, slots: int) -> None:
-    """The blocking checks `autoloop run` makes before experiment 1 (the loop makes the others itself)."""
-    findings = [check_disk(settings, None, slots)]
+def preflight(settings: Settings, slots: list) -> None:
+    """The blocking checks `autoloop run` makes before experiment 1 (the loop makes the others itself); the
+    executor's slots say how many runs go at once and whether they have GPUs (no nvidia-smi call here)."""
+    gpus = any(slot.env.get("CUDA_VISIBLE_DEVICES", "").strip() not in ("", "-1") for slot in slots)
+    profile = settings.profile or ("gpu" if gpus else "cpu")
+    findings = [check_disk(dataclasses.replace(settings, profile=profile), None, len(slots))]
     if settings.proposer == "agent":
         findings.append(check_agent(settings.options))
     failed = [f for f in findings if f.status == FAIL]

@@ -67,7 +67,7 @@ def _session(settings: Settings, echo: Callable[[str], None]) -> State:
     ws = Workspace(settings, echo)
     proposer_cls = load(settings.proposer)
     with Lock(ws.paths.lock), open_executor(settings) as executor, signals(signal.SIGTERM, _terminate):
-        preflight(settings, len(executor.slots))  # free disk, an agent CLI that answers (ws.open: GPU, data)
+        preflight(settings, executor.slots)  # free disk, an agent CLI that answers (ws.open: GPU, data)
         ws.open(executor)
         state = ws.resume()
         proposer = proposer_cls(Context(repo=settings.repo, tag=settings.tag, seed=settings.seed,
