@@ -332,7 +332,7 @@ def check_agent(options: dict) -> Finding:
         return Finding("agent", FAIL, str(e), "see `autoloop run --help` (--agent, --agent-cmd)")
     exe = shutil.which(argv[0]) or (argv[0] if Path(argv[0]).exists() else None)
     if exe is None:
-        return Finding("agent", FAIL, f"agent command {argv[0]!r} is not on PATH",
+        return Finding("agent", FAIL, f"agent command {argv[0]!r} not found on PATH",
                        f"install it (or put it on PATH), or choose another with --agent / --agent-cmd")
     if options.get("agent_cmd"):
         return Finding("agent", OK, f"{exe} (a custom --agent-cmd: not asked to answer)")

@@ -294,6 +294,10 @@ class WandB(Backend):
     name = "wandb"
 
     def open(self, state: State) -> None:
+        # no suggestions of W&B's other products on the loop's console (wandb prints them when, say, openai is
+        # imported, as with --proposer llm); yours win
+        os.environ.setdefault("WANDB_DISABLE_WEAVE", "true")
+        os.environ.setdefault("WANDB_SILENT", "true")
         import wandb
 
         self.wandb = wandb

@@ -55,7 +55,8 @@ def tracker_env(monkeypatch):
     """No telemetry, no login, and the mlflow settings the tracker sets in-process put back afterwards."""
     monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
     monkeypatch.setenv("DO_NOT_TRACK", "true")
-    for key in [*MLflow.ENV, "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "WANDB_PROJECT", "WANDB_API_KEY"]:
+    for key in [*MLflow.ENV, "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "WANDB_PROJECT", "WANDB_API_KEY",
+                "WANDB_DISABLE_WEAVE", "WANDB_SILENT"]:
         monkeypatch.setenv(key, "")  # remembers the value to restore ...
         monkeypatch.delenv(key)  # ... and leaves it unset for the test
 
@@ -191,6 +192,7 @@ def test_wandb_offline_and_mlflow_default_store_together(fake_repo, plan, monkey
     MLFLOW_TRACKING_URI: a store in .autoloop/, nothing written into the repo."""
     pytest.importorskip("wandb")
     mlflow = pytest.importorskip("mlflow")
+    import openai  # noqa: F401 - as with --proposer llm: wandb then suggests Weave on the console, unless told not to
     for key in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_CONFIG_DIR"):
         monkeypatch.setenv(key, str(tmp_path / "wb" / key.lower()))
     monkeypatch.setenv("WANDB_MODE", "offline")

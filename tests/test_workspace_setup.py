@@ -222,7 +222,7 @@ def test_doctor_and_run_with_a_missing_or_silent_agent_cli(repo, tmp_path):
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
     proc = autoloop("doctor", "--repo", str(repo), "--proposer", "agent", "--agent", "codex", env=env)
     line = lines_of("agent", proc.stdout)
-    assert proc.returncode == 1 and line.startswith("FAIL") and "'codex' is not on PATH" in line
+    assert proc.returncode == 1 and line.startswith("FAIL") and "'codex' not found on PATH" in line
 
     bin_dir = fake_bin(tmp_path, "codex")
     env = subprocess_env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
