@@ -135,7 +135,7 @@ def slots_for(ws: Workspace, executor: Executor, state: State, remaining: int | 
 
 
 def record_generation(ws: Workspace, state: State, runs: list[Run], ideas: Ideas, progress: Progress,
-                      trackers: Trackers | None = None) -> None:
+                      trackers: Trackers) -> None:
     """Judge the finished generation, record each run (record.json, row, branch, trackers), then let the
     proposer see them (after any idea it is making is done: its observe() never runs while its propose() does)."""
     progress.clear()
@@ -145,8 +145,7 @@ def record_generation(ws: Workspace, state: State, runs: list[Run], ideas: Ideas
         run.record.timings["record"] = time.monotonic() - t
         ws.record(run.record, state)
         ws.echo(console_line(run.record, state))
-        if trackers is not None:
-            trackers.record(run.record, state)
+        trackers.record(run.record, state)
     ideas.settle()
     for run in runs:
         ideas.proposer.observe(run.record)
