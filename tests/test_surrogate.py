@@ -17,7 +17,7 @@ sys.path[:0] = [str(ROOT / "benchmarks" / "surrogate"), str(ROOT / "benchmarks")
 pytest.importorskip("sklearn")
 
 from fake import fake_train  # noqa: E402
-from model import Encoding, Surrogate, fidelity, fit  # noqa: E402
+from model import Encoding, Forest, Surrogate, fidelity, fit  # noqa: E402
 
 from orchestrator.proposers.random_search import sample  # noqa: E402
 from orchestrator.proposers.space import read_space, rounded  # noqa: E402
@@ -49,6 +49,8 @@ def test_the_model_ranks_held_out_configurations():
     space, enc, configs, values = synthetic(60)
     f = fidelity(configs, values, enc)
     assert f["spearman"] >= 0.8 and f["configs"] == 60
+    trees = fidelity(configs, values, enc, fitter=lambda c, v, e: Forest("extra trees", c, v, e))  # --compare
+    assert 0.5 <= trees["spearman"] < 1.0
     loaded = fit(configs, values, enc)
     mean, sd, crash = loaded.predict(configs[:2])
     assert mean[0] < mean[1] and 0.001 < sd[0] < 0.1 and crash.tolist() == [0.0, 0.0]  # no crash seen: none

@@ -12,9 +12,10 @@ chance of a crash, as a function of the configuration.
 
 `fit` needs scikit-learn (the benchmark's extra); `Surrogate.predict` needs numpy only, so the fake train.py
 that answers from it starts in milliseconds. `fidelity` is the Spearman rank correlation of predicted and
-measured means on held-out configurations (k-fold).
+measured means on held-out configurations (k-fold); `--compare` gives a random forest's and extra trees' on the
+same folds.
 
-    python benchmarks/surrogate/model.py benchmarks/surrogate/tiny-10s.csv --out /tmp/tiny.npz
+    python benchmarks/surrogate/model.py benchmarks/surrogate/tiny-10s.csv --out /tmp/tiny.npz [--compare]
 """
 
 from __future__ import annotations
@@ -178,10 +179,27 @@ def fit(configs: list[dict], values: list[float | None], encoding: Encoding) -> 
     return Surrogate(arrays, encoding.dims)
 
 
+class Forest:
+    """A tree ensemble on the same encoding and target (log mean val_bpb), for comparison with the GP
+    (`--compare`): scikit-learn's random forest or extra trees."""
+
+    def __init__(self, kind: str, configs: list[dict], values: list[float | None], encoding: Encoding):
+        from sklearn.ensemble import ExtraTreesRegressor, RandomForestRegressor
+
+        ok = [g for g in group(configs, values).values() if g["values"]]
+        cls = ExtraTreesRegressor if kind == "extra trees" else RandomForestRegressor
+        self.encoding = encoding
+        self.model = cls(n_estimators=500, min_samples_leaf=2, random_state=0).fit(
+            encoding.matrix([g["config"] for g in ok]), np.log([np.mean(g["values"]) for g in ok]))
+
+    def predict(self, configs: list[dict]) -> tuple[np.ndarray]:
+        return (np.exp(self.model.predict(self.encoding.matrix(configs))),)
+
+
 def fidelity(configs: list[dict], values: list[float | None], encoding: Encoding, folds: int = 5,
-             seed: int = 0) -> dict:
-    """Spearman rank correlation between predicted and measured means on held-out configurations (k-fold),
-    and the crash model's hit rate."""
+             seed: int = 0, fitter=fit) -> dict:
+    """Spearman rank correlation between predicted and measured means on held-out configurations (k-fold):
+    `fitter(configs, values, encoding)` is fitted on the other folds and predicts each fold."""
     from scipy.stats import spearmanr
 
     groups = list(group(configs, values).values())
@@ -195,7 +213,7 @@ def fidelity(configs: list[dict], values: list[float | None], encoding: Encoding
         for i in train:
             cfg += [ok[i]["config"]] * len(ok[i]["values"])
             val += ok[i]["values"]
-        model = fit(cfg, val, encoding)
+        model = fitter(cfg, val, encoding)
         predicted[test] = model.predict([ok[i]["config"] for i in test])[0]
     rho = float(spearmanr(predicted, measured).statistic)
     return {"spearman": rho, "configs": len(ok), "folds": folds,
@@ -210,11 +228,16 @@ def main() -> int:
     ap.add_argument("csv", type=Path, help="a collection (collect.py --out)")
     ap.add_argument("--profile", default="tiny", choices=["gpu", "cpu", "tiny"])
     ap.add_argument("--out", type=Path, help="save the fitted surrogate here (.npz)")
+    ap.add_argument("--compare", action="store_true",
+                    help="also the held-out Spearman of a random forest and extra trees on the same folds")
     args = ap.parse_args()
     space, _ = read_space((ROOT / "train.py").read_text(), args.profile)
     encoding = Encoding.from_space(space)
     configs, values = read_runs(args.csv, space)
     print(json.dumps(fidelity(configs, values, encoding)))
+    for kind in ("random forest", "extra trees") if args.compare else ():
+        rho = fidelity(configs, values, encoding, fitter=lambda c, v, e, kind=kind: Forest(kind, c, v, e))["spearman"]
+        print(json.dumps({"model": kind, "spearman": rho}))
     if args.out:
         fit(configs, values, encoding).save(args.out)
     return 0
