@@ -21,6 +21,7 @@ same folds.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -127,6 +128,12 @@ def group(configs: list[dict], values: list[float | None]) -> dict[str, dict]:
     return out
 
 
+def observed(groups: list[dict], encoding: Encoding) -> tuple[list[dict], np.ndarray, np.ndarray]:
+    """The configurations that ran at least once, encoded, and the log of each one's mean val_bpb."""
+    ok = [g for g in groups if g["values"]]
+    return ok, encoding.matrix([g["config"] for g in ok]), np.log([np.mean(g["values"]) for g in ok])
+
+
 def fit(configs: list[dict], values: list[float | None], encoding: Encoding) -> Surrogate:
     from sklearn.exceptions import ConvergenceWarning
     from sklearn.gaussian_process import GaussianProcessRegressor
@@ -134,9 +141,7 @@ def fit(configs: list[dict], values: list[float | None], encoding: Encoding) -> 
     from sklearn.linear_model import LogisticRegression
 
     groups = list(group(configs, values).values())
-    ok = [g for g in groups if g["values"]]
-    x = encoding.matrix([g["config"] for g in ok])
-    y = np.log([np.mean(g["values"]) for g in ok])
+    ok, x, y = observed(groups, encoding)
     y = np.minimum(y, np.quantile(y, CAP_QUANTILE))  # the diverged are all just bad (CAP_QUANTILE)
     y_mean, y_std = float(y.mean()), float(y.std() or 1.0)
     kernel = ConstantKernel(1.0, (1e-3, 1e3)) * Matern(np.ones(x.shape[1]), (1e-2, 1e2), nu=2.5) + \
@@ -186,11 +191,10 @@ class Forest:
     def __init__(self, kind: str, configs: list[dict], values: list[float | None], encoding: Encoding):
         from sklearn.ensemble import ExtraTreesRegressor, RandomForestRegressor
 
-        ok = [g for g in group(configs, values).values() if g["values"]]
+        _, x, y = observed(list(group(configs, values).values()), encoding)
         cls = ExtraTreesRegressor if kind == "extra trees" else RandomForestRegressor
         self.encoding = encoding
-        self.model = cls(n_estimators=500, min_samples_leaf=2, random_state=0).fit(
-            encoding.matrix([g["config"] for g in ok]), np.log([np.mean(g["values"]) for g in ok]))
+        self.model = cls(n_estimators=500, min_samples_leaf=2, random_state=0).fit(x, y)
 
     def predict(self, configs: list[dict]) -> tuple[np.ndarray]:
         return (np.exp(self.model.predict(self.encoding.matrix(configs))),)
@@ -236,7 +240,7 @@ def main() -> int:
     configs, values = read_runs(args.csv, space)
     print(json.dumps(fidelity(configs, values, encoding)))
     for kind in ("random forest", "extra trees") if args.compare else ():
-        rho = fidelity(configs, values, encoding, fitter=lambda c, v, e, kind=kind: Forest(kind, c, v, e))["spearman"]
+        rho = fidelity(configs, values, encoding, fitter=functools.partial(Forest, kind))["spearman"]
         print(json.dumps({"model": kind, "spearman": rho}))
     if args.out:
         fit(configs, values, encoding).save(args.out)
