@@ -177,6 +177,33 @@ def test_search_steps_first_then_mixes_in_jumps(tmp_path):
     assert wide.description.endswith(f", +{len(wide.info['changes']) - 4} more")
 
 
+def test_search_starts_with_a_screen_of_one_constant_one_way_sizes_first(tmp_path):
+    """The start-up ideas each move one constant one way from the best, never a (constant, direction) already
+    tried from that best, and the sizes (WIDTH, DEPTH: both ways each, unless that configuration was tried or
+    crashed) before anything else; a keep makes a new best, screened afresh."""
+    repo = make_fake_repo(tmp_path / "r")
+    run_search(repo, 11)
+    rows = read_rows(repo / "results.tsv")
+    configs = [config_of(s, None) for s in train_sources(repo, "s", len(rows))]
+    best, seen, closed = configs[0], set(), set()
+    for row, config in zip(rows[1:], configs[1:]):
+        changed = {k: v for k, v in config.items() if v != best[k]}
+        assert len(changed) == 1, row.description
+        (name, value), = changed.items()
+        move = (name, value if name == "MODE" else (1 if value > best[name] else -1))
+        assert move not in seen, row.description
+        tried = [c for c in configs if c is not config][:configs.index(config)]
+        sizes = {(n, d) for n in ("WIDTH", "DEPTH") for d in (1, -1)  # both powers of two: one doubling
+                 if {**best, n: best[n] * 2 ** d} not in tried} - closed
+        assert name in ("WIDTH", "DEPTH") or sizes <= seen, row.description
+        seen.add(move)
+        if row.status == "crash" and move == ("WIDTH", 1):
+            closed.add(move)  # out of memory at this width: wider is closed
+        if row.status == "keep":
+            best, seen = config, set()
+    assert any(row.description.startswith("LR ") for row in rows)  # past the sizes, the rates
+
+
 def test_search_spends_its_runs_on_the_move_that_pays(tmp_path):
     """Thompson sampling on keeps per run spent: a move whose ideas keep failing (their runs again included)
     is chosen rarely, one whose ideas are kept often."""

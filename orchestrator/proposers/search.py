@@ -5,8 +5,11 @@ Each idea comes from one of two moves:
   runs; a crash is a failed constraint, so it learns where configurations crash): global jumps that find
   the right region (model size for the budget, batch size);
 - local: an adaptive move of the current best, below: small steps that refine it.
-Local moves come first (STARTUP ideas): a real night's default is usually tuned, and TPE's random start-up
-jumps were all far worse on one (benchmarks/README.md). From then on a bandit picks the move (Thompson
+Local moves come first (STARTUP ideas), as a screen: each one moves a single constant one way from the best, a
+(constant, direction) not yet tried from it, the kinds likeliest to matter first (sizes, then rates...), so
+the night's first runs learn which constants matter instead of drawing them at random (TPE's random start-up
+jumps were all far worse on a tuned default; a random pick of constants can miss the one that matters:
+benchmarks/README.md). From then on a bandit picks the move (Thompson
 sampling on each move's keeps per run spent), so the night spends its runs on whichever move is paying off:
 on a default far from its optimum the jumps, near it the small steps.
 
@@ -77,6 +80,7 @@ class Stats:
         self.tries = self.keeps = 0
         self.last_direction = 0  # +1 / -1 of the last kept move: keep going that way
         self.failed_from_best: set[int] = set()  # directions already discarded from the current best
+        self.tried_from_best: set = set()  # directions (a choice: its values) tried alone from the current best
         self.crash_above: float | None = None  # moving up to this value (or beyond) crashed
         self.crash_below: float | None = None
 
@@ -164,6 +168,10 @@ class SearchProposer(Proposer):
             if (rec.group or rec.n) != rec.n or outcome.get(rec.n) is None:
                 continue  # a run again of an idea (learned once, from its first run), or no result yet
             changed = [n for n in space if n in cfg and n in parent and cfg[n] != parent[n]]
+            if parent == best and len(changed) == 1:
+                name = changed[0]
+                p = space[name]
+                stats[name].tried_from_best.add(cfg[name] if p.kind == "choice" else _direction(p, parent[name], cfg[name]))
             if rec.info.get("move") == "model" or len(changed) > 2:
                 # a jump says nothing about one constant's step; a crash closes only what a jump's crash
                 # usually is, out of memory: the region beyond each size it grew
@@ -222,8 +230,33 @@ class SearchProposer(Proposer):
                                  lambda c: all(self.allowed(space[n], stats[n], v, best[n]) for n, v in c.items()))
             if changes:
                 return self.write(path, source, best, changes, "model")
-        changes = self.local(space, best, history, stats, tried, rng)
+        changes = self.startup(history) and self.screen(space, best, stats, tried, rng) or \
+            self.local(space, best, history, stats, tried, rng)
         return self.write(path, source, best, changes, "local") if changes else None
+
+    def startup(self, history: list[Record]) -> bool:
+        """Still in the first STARTUP local ideas (runs again of an idea not counted)?"""
+        first = [rec for rec in history if (rec.group or rec.n) == rec.n]
+        return sum(rec.info.get("move") == "local" for rec in first) < STARTUP
+
+    def screen(self, space, best, stats, tried, rng) -> dict | None:
+        """One constant moved one way from the best, a (constant, direction) not yet tried from it: of the kind
+        likeliest to matter (`prior`), at random among those. A kept move makes a new best, screened afresh."""
+        options = []
+        for name, p in space.items():
+            s = stats[name]
+            directions = [c for c in p.choices if c != best[name]] if p.kind == "choice" else [1, -1]
+            for d in directions:
+                if d in s.tried_from_best:
+                    continue
+                value = d if p.kind == "choice" else rounded(p.clip(step_value(p, best[name], d, s.step, rng)), p.kind)
+                if self.allowed(p, s, value, best[name]) and config_key({**best, name: value}) not in tried:
+                    options.append((prior(name), rng.random(), name, value))
+        if not options:
+            return None
+        top = max(o[0] for o in options)
+        _, _, name, value = max(o for o in options if o[0] == top)
+        return {name: value}
 
     def choose(self, history: list[Record], rng: random.Random) -> str:
         """Which move proposes next. Local moves alone for the first STARTUP ideas (a default is usually tuned:
@@ -231,10 +264,9 @@ class SearchProposer(Proposer):
         Thompson sampling on each move's keep rate per run spent: a Beta posterior (one keep in two runs for
         the model up front, one in three for local) updated with its ideas' keeps and all its runs, the runs
         again of its ideas included (a move whose ideas need many runs to decide costs more)."""
-        outcome = outcomes(history)
-        first = [rec for rec in history if (rec.group or rec.n) == rec.n]
-        if sum(rec.info.get("move") == "local" for rec in first) < STARTUP:
+        if self.startup(history):
             return "local"
+        outcome = outcomes(history)
         keeps, misses = {"model": 1, "local": 1}, {"model": 1, "local": 2}
         for rec in history:
             move = rec.info.get("move")  # runs again of an idea carry its move; runs of the best carry none
