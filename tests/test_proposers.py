@@ -186,15 +186,14 @@ def test_search_starts_with_a_screen_of_one_constant_one_way_sizes_first(tmp_pat
     rows = read_rows(repo / "results.tsv")
     configs = [config_of(s, None) for s in train_sources(repo, "s", len(rows))]
     best, seen, closed = configs[0], set(), set()
-    for row, config in zip(rows[1:], configs[1:]):
+    for i, (row, config) in enumerate(zip(rows[1:], configs[1:]), 1):
         changed = {k: v for k, v in config.items() if v != best[k]}
         assert len(changed) == 1, row.description
         (name, value), = changed.items()
         move = (name, value if name == "MODE" else (1 if value > best[name] else -1))
         assert move not in seen, row.description
-        tried = [c for c in configs if c is not config][:configs.index(config)]
         sizes = {(n, d) for n in ("WIDTH", "DEPTH") for d in (1, -1)  # both powers of two: one doubling
-                 if {**best, n: best[n] * 2 ** d} not in tried} - closed
+                 if {**best, n: best[n] * 2 ** d} not in configs[:i]} - closed
         assert name in ("WIDTH", "DEPTH") or sizes <= seen, row.description
         seen.add(move)
         if row.status == "crash" and move == ("WIDTH", 1):
