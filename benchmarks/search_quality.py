@@ -46,7 +46,8 @@ NOOP = "false_keeps:NoOpProposer"  # edits that change nothing (comments): every
 
 def surrogate_session(job: tuple) -> dict:
     """One (method, gate, seed) session on the surrogate, in a fresh repo: what it kept, when, and how true."""
-    model, profile, method, gate, seed, experiments, where = job
+    model, profile, method, gate, seed, experiments, where, *rest = job
+    noise_scale = rest[0] if rest else 1.0
     os.environ.setdefault("AUTOLOOP_PROGRESS_SECONDS", "1e9")  # one result per session, not the loop's live line
     sys.path[:0] = [str(ROOT / "benchmarks" / "surrogate"), str(ROOT / "benchmarks")]
     from fake import fake_train
@@ -54,7 +55,7 @@ def surrogate_session(job: tuple) -> dict:
 
     base = Path(where) / f"{method.replace(':', '.')}-{gate}-{seed}"
     base.mkdir(parents=True)
-    train = fake_train((ROOT / "train.py").read_text(), profile, Path(model), base / "seen.json")
+    train = fake_train((ROOT / "train.py").read_text(), profile, Path(model), base / "seen.json", noise_scale)
     repo = make_git_repo(base / "repo", {"train.py": train})
     settings = Settings(repo=repo, tag="bench", budget=1.0, max_experiments=experiments, proposer=method,
                         profile=profile, seed=seed, timeout=60, gate=Gate(mode=gate), sandbox="off",
@@ -93,13 +94,13 @@ def surrogate_main(args) -> None:
     methods = args.methods.split(",")
     gates = args.gates.split(",")
     _, default = read_space((ROOT / "train.py").read_text(), args.profile)
-    baseline_sd = float(Surrogate.load(args.surrogate).predict([default])[1][0])
+    baseline_sd = float(Surrogate.load(args.surrogate).predict([default])[1][0]) * args.noise_scale
     jobs = [(str(args.surrogate.resolve()), args.profile, m, g, seed, args.experiments)
             for seed in range(args.seeds) for g in gates
             for m in (methods if g == gates[0] else ["search"]) + ([NOOP] if args.noop else [])]
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp, ProcessPoolExecutor(args.jobs, initializer=die_with_parent) as pool:
-        results = list(pool.map(surrogate_session, [(*j, tmp) for j in jobs]))
+        results = list(pool.map(surrogate_session, [(*j, tmp, args.noise_scale) for j in jobs]))
     report_surrogate(args, results, methods, gates, baseline_sd, time.monotonic() - t0)
 
 
@@ -133,7 +134,8 @@ def report_surrogate(args, results: list[dict], methods: list[str], gates: list[
         return values[-1] if values else float("nan")
 
     print(f"\n{args.seeds} seeds x {args.experiments} experiments per method, surrogate {args.surrogate}, "
-          f"gate {main_gate}, baseline sd {baseline_sd:.4f}; {wall:.0f}s")
+          f"gate {main_gate}, baseline sd {baseline_sd:.4f}"
+          + (f" (runs' noise x{args.noise_scale:g})" if args.noise_scale != 1 else "") + f"; {wall:.0f}s")
     print("best TRUE val_bpb of the kept best: median [quartiles]")
     print(f"{'method':8s} " + " ".join(f"{'after ' + str(k):>26s}" for k in checkpoints) + f" {'crashes':>8s}"
           + f" {'to reach tpe':>13s}")
@@ -188,6 +190,8 @@ def main() -> None:
     ap.add_argument("--gates", default="noise,strict", help="with --surrogate: the gates to compare (the first is "
                                                            "used for every method, the others for search)")
     ap.add_argument("--checkpoints", default="30,100", help="with --surrogate: report the best after these counts")
+    ap.add_argument("--noise-scale", type=float, default=1.0,
+                    help="with --surrogate: multiply every run's noise (a stress test: same landscape, noisier runs)")
     ap.add_argument("--jobs", type=int, default=1, help="with --surrogate: sessions at once")
     ap.add_argument("--no-noop", dest="noop", action="store_false",
                     help="with --surrogate: skip the no-op sessions that measure the gates' false keeps (faster)")

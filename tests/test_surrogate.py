@@ -66,15 +66,22 @@ def run_fake(workdir: Path, seed: int) -> str:
 
 
 def test_the_fake_train_py_is_deterministic_for_a_seed_and_crashes_as_often_as_predicted(model, tmp_path):
-    def session(name: str, seed: int, runs: int, path: Path = model) -> list[str]:
+    def session(name: str, seed: int, runs: int, path: Path = model, noise_scale: float = 1.0) -> list[str]:
         d = tmp_path / name
         d.mkdir()
-        (d / "train.py").write_text(fake_train(SOURCE, "tiny", path, d / "seen.json"))
+        (d / "train.py").write_text(fake_train(SOURCE, "tiny", path, d / "seen.json", noise_scale))
         return [run_fake(d, seed) for _ in range(runs)]
 
     a, b, c = session("a", 1, 3), session("b", 1, 3), session("c", 2, 3)
     assert a == b and a != c  # one sequence per seed
     assert len(set(a)) == 3  # repeats of one configuration differ (its noise)
+    # --noise-scale: the same draws, each one's distance from the true value scaled
+    _, default = read_space(SOURCE, "tiny")
+    true = float(Surrogate.load(model).predict([default])[0][0])
+    noiseless, tripled = session("quiet", 1, 2, noise_scale=0.0), session("loud", 1, 3, noise_scale=3.0)
+    assert [float(v) for v in noiseless] == pytest.approx([true] * 2, abs=2e-6)
+    for plain, loud in zip(a, tripled):
+        assert float(loud) - true == pytest.approx(3 * (float(plain) - true), abs=1e-5)
     # a surrogate whose crash model says 30%: 40 runs crash between 4 and 22 times (binomial, p < 1e-3 outside)
     z = dict(Surrogate.load(model).a)
     z.update(crash_coef=z["crash_coef"] * 0, crash_intercept=math.log(0.3 / 0.7), crash_seen=True)

@@ -39,7 +39,7 @@ _mean, _sd, _crash = (float(a[0]) for a in Surrogate.load({model!r}).predict([_c
 _rng = np.random.default_rng([int(os.environ.get("AUTOLOOP_SEED", "42")), zlib.crc32(_key.encode()), _n])
 if _rng.random() < _crash:
     raise RuntimeError("surrogate: this configuration crashed (out of memory or a diverged loss)")
-_value = _mean + _sd * _rng.standard_normal()
+_value = _mean + {noise_scale!r} * _sd * _rng.standard_normal()
 print("step 00100 | loss: 1.0")
 print("---")
 print(f"val_bpb:          {{_value:.6f}}")
@@ -54,9 +54,10 @@ print("num_params_M:     0.1")
 '''
 
 
-def fake_train(real_source: str, profile: str, model: Path, state: Path) -> str:
+def fake_train(real_source: str, profile: str, model: Path, state: Path, noise_scale: float = 1.0) -> str:
     """The fake train.py: the real one's hyperparameter constants (this profile's values and bounds, written
-    as plain constants) and the surrogate's body."""
+    as plain constants) and the surrogate's body. `noise_scale` multiplies the surrogate's run-to-run sd (a
+    stress test: the same landscape, noisier runs)."""
     from orchestrator.hparams import format_value, read_constants
     from orchestrator.proposers.space import read_space
 
@@ -72,4 +73,4 @@ def fake_train(real_source: str, profile: str, model: Path, state: Path) -> str:
         lines.append(f"{c.name} = {c.value!r}  # {bounds}".rstrip())
     space, _ = read_space(real_source, profile)
     return "\n".join(lines) + "\n" + BODY.format(here=str(HERE), names=sorted(space), state=str(state),
-                                                  model=str(model))
+                                                  model=str(model), noise_scale=float(noise_scale))
