@@ -1,17 +1,23 @@
-"""`search` (the default): a hybrid search over train.py's constants that learns from the history.
+"""`search` (the default): a screen of one-constant moves, then TPE, over train.py's constants; it learns from
+the history.
 
-Each idea comes from one of two moves:
-- model: optuna's multivariate TPE over the whole space, fitted to every configuration tried (its mean over
-  runs; a crash is a failed constraint, so it learns where configurations crash): global jumps that find
-  the right region (model size for the budget, batch size);
-- local: an adaptive move of the current best, below: small steps that refine it.
-Local moves come first (STARTUP ideas), as a screen: each one moves a single constant one way from the best, a
-(constant, direction) not yet tried from it, the kinds likeliest to matter first (sizes, then rates...), so
-the night's first runs learn which constants matter instead of drawing them at random (TPE's random start-up
-jumps were all far worse on a tuned default; a random pick of constants can miss the one that matters:
-benchmarks/README.md). From then on a bandit picks the move (Thompson
-sampling on each move's keeps per run spent), so the night spends its runs on whichever move is paying off:
-on a default far from its optimum the jumps, near it the small steps.
+- The screen (the first STARTUP ideas): each idea moves a single constant one way from the best, a (constant,
+  direction) not yet tried from it, the kinds likeliest to matter first (sizes, then rates...), so the night's
+  first runs learn which constants matter instead of drawing them at random (a random pick of constants can miss
+  the one that matters; TPE's random start-up jumps were all far worse on a tuned default: benchmarks/README.md).
+  A kept move makes a new best, screened afresh.
+- Then the model: optuna's multivariate TPE over the whole space, fitted to every configuration tried (its mean
+  over runs; a crash is a failed constraint, so it learns where configurations crash). The screen gave it a
+  model of the default's neighbourhood instead of a random start-up. Its jumps change many constants at once,
+  and are described as "jump: ...".
+- After a kept one-constant move, the next idea usually pushes the same constant further the same way (pattern
+  search), and the local move below stands in whenever the screen or TPE has nothing untried left to propose.
+
+Why not more small steps after the screen: under a noise-aware gate a small step costs the most runs (its
+effect is within the noise, so the gate runs it again up to 10 times) and is rarely kept; a jump is usually
+decided on one run. A bandit between jumps and small steps was ahead on one surrogate with its runs' noise as
+measured, but fell behind TPE with that noise doubled and on the held-out surrogate; TPE alone after the screen
+was at least level with TPE on all three (benchmarks/README.md).
 
 A local move changes one constant (sometimes two) of the current best:
 - which constant: drawn in proportion to how often moving it paid off (untried ones, and learning rates and
@@ -24,7 +30,6 @@ A local move changes one constant (sometimes two) of the current best:
   (e.g. ran out of memory) from a smaller or equal value. A model jump that crashed closes the region
   beyond each size it grew (out of memory is a jump's usual crash), and the jumps are held to these regions.
 
-After a kept local move, the next one usually pushes the same constants further the same way (pattern search).
 All of it is rebuilt from the history (train.py at each tried commit, and each row's status) on every call,
 so it survives restarts and proposes the same next idea after a resume.
 """
@@ -45,8 +50,7 @@ INITIAL_STEP = {"log": 0.4, "linear": 0.15, "pow2": 1.0, "int": 0.25, "unit": 0.
 MIN_STEP = {"log": 0.05, "linear": 0.02, "pow2": 1.0, "int": 0.05, "unit": 0.1, "choice": 1.0}
 MAX_STEP = {"log": 1.5, "linear": 0.5, "pow2": 2.0, "int": 1.0, "unit": 1.5, "choice": 1.0}
 GROW, SHRINK, CRASH_SHRINK = 1.6, 0.75, 0.6
-MOVES = ("model", "local")
-STARTUP = 10  # local ideas before the bandit (TPE then has that many configurations to model, no random start)
+STARTUP = 10  # screening ideas before TPE's jumps (TPE then has that many configurations to model, no random start)
 SHOWN = 4  # changes a jump's description names
 
 
@@ -225,17 +229,18 @@ class SearchProposer(Proposer):
         push = self.momentum(space, history, best, stats, tried, rng)
         if push is not None:
             return self.write(path, source, best, push, "local")
-        if self.choose(history, rng) == "model":
+        screening = self.startup(history)
+        if not screening:
             changes = self.model(space, best, history, tried,
                                  lambda c: all(self.allowed(space[n], stats[n], v, best[n]) for n, v in c.items()))
             if changes:
                 return self.write(path, source, best, changes, "model")
-        changes = self.startup(history) and self.screen(space, best, stats, tried, rng) or \
+        changes = screening and self.screen(space, best, stats, tried, rng) or \
             self.local(space, best, history, stats, tried, rng)
         return self.write(path, source, best, changes, "local") if changes else None
 
     def startup(self, history: list[Record]) -> bool:
-        """Still in the first STARTUP local ideas (runs again of an idea not counted)?"""
+        """Still screening: fewer than STARTUP local ideas so far (runs again of an idea not counted)?"""
         first = [rec for rec in history if (rec.group or rec.n) == rec.n]
         return sum(rec.info.get("move") == "local" for rec in first) < STARTUP
 
@@ -257,24 +262,6 @@ class SearchProposer(Proposer):
         top = max(o[0] for o in options)
         _, _, name, value = max(o for o in options if o[0] == top)
         return {name: value}
-
-    def choose(self, history: list[Record], rng: random.Random) -> str:
-        """Which move proposes next. Local moves alone for the first STARTUP ideas (a default is usually tuned:
-        small steps around it are the likeliest wins, and they give TPE a model of its neighbourhood). Then
-        Thompson sampling on each move's keep rate per run spent: a Beta posterior (one keep in two runs for
-        the model up front, one in three for local) updated with its ideas' keeps and all its runs, the runs
-        again of its ideas included (a move whose ideas need many runs to decide costs more)."""
-        if self.startup(history):
-            return "local"
-        outcome = outcomes(history)
-        keeps, misses = {"model": 1, "local": 1}, {"model": 1, "local": 2}
-        for rec in history:
-            move = rec.info.get("move")  # runs again of an idea carry its move; runs of the best carry none
-            if move in keeps and rec.cause != "environment":
-                won = (rec.group or rec.n) == rec.n and outcome.get(rec.n) == "keep"
-                keeps[move] += won
-                misses[move] += not won
-        return max(MOVES, key=lambda m: rng.betavariate(keeps[m], misses[m]))
 
     def model(self, space: dict[str, Param], best: dict, history: list[Record], tried: set, allowed) -> dict | None:
         import optuna
