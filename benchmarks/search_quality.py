@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -199,6 +200,8 @@ def main() -> None:
                     help="keep rule for every method (strict: short sessions keep something to compare)")
     ap.add_argument("--out", type=Path, default=None, help="also write the raw results as JSON here")
     args = ap.parse_args()
+    if not (math.isfinite(args.noise_scale) and args.noise_scale > 0):
+        ap.error(f"--noise-scale must be a positive number (1: the runs' noise as measured), not {args.noise_scale}")
     if args.surrogate:
         args.methods = args.methods or "search,random,tpe,cmaes,perturb"
         return surrogate_main(args)

@@ -172,8 +172,11 @@ def test_search_screens_first_then_jumps(tmp_path):
     assert moves[:10] == ["local"] * 10
     assert moves.count("model") >= 10
     kept = {r.group or r.n for r in records if r is not None and r.status == "keep"}
-    for before, idea in zip(ideas[9:], ideas[10:]):
-        if idea.info["move"] == "local":  # a push: the idea before it was a kept local move, moved further
+    pushes = [idea for idea in ideas[10:] if idea.info["move"] == "local" and idea.info.get("push")]
+    # a local move past the screen that is not a push is the fallback for when TPE has nothing new: rare here
+    assert len([i for i in ideas[10:] if i.info["move"] == "local"]) - len(pushes) <= 2
+    for before, idea in zip(ideas, ideas[1:]):
+        if idea.info.get("push"):  # the idea before it was a kept local move: the same constants, moved further
             assert before.info["move"] == "local" and before.n in kept, (before.description, idea.description)
             assert set(idea.info["changes"]) == set(before.info["changes"]), idea.description
     assert all(r.description.count(" -> ") <= 2 for r in ideas if r.info["move"] == "local")

@@ -10,14 +10,16 @@ the history.
   over runs; a crash is a failed constraint, so it learns where configurations crash). The screen gave it a
   model of the default's neighbourhood instead of a random start-up. Its jumps change many constants at once,
   and are described as "jump: ...".
-- After a kept one-constant move, the next idea usually pushes the same constant further the same way (pattern
-  search), and the local move below stands in whenever the screen or TPE has nothing untried left to propose.
+- After a kept local move, the next idea usually pushes the same constants further the same way (pattern
+  search; its record says `push`), and the local move below stands in whenever the screen or TPE has nothing
+  untried left to propose.
 
 Why not more small steps after the screen: under a noise-aware gate a small step costs the most runs (its
 effect is within the noise, so the gate runs it again up to 10 times) and is rarely kept; a jump is usually
 decided on one run. A bandit between jumps and small steps was ahead on one surrogate with its runs' noise as
-measured, but fell behind TPE with that noise doubled and on the held-out surrogate; TPE alone after the screen
-was at least level with TPE on all three (benchmarks/README.md).
+measured, but fell behind TPE with that noise doubled and on the held-out surrogate after 100 experiments; TPE
+alone after the screen was at least level with TPE's median after 100 on all three, and ahead after 30 but with
+the doubled noise (benchmarks/README.md).
 
 A local move changes one constant (sometimes two) of the current best:
 - which constant: drawn in proportion to how often moving it paid off (untried ones, and learning rates and
@@ -228,7 +230,7 @@ class SearchProposer(Proposer):
         rng = random.Random(f"{self.context.seed}:{len(history)}")  # the same proposal after a resume
         push = self.momentum(space, history, best, stats, tried, rng)
         if push is not None:
-            return self.write(path, source, best, push, "local")
+            return self.write(path, source, best, push, "local", push=True)
         screening = self.startup(history)
         if not screening:
             changes = self.model(space, best, history, tried,
@@ -267,7 +269,8 @@ class SearchProposer(Proposer):
         import optuna
 
         moves = [(rec, cfg) for rec, cfg, _ in self.configs.moves(history)]
-        study = tpe_study(self.context.seed + len(history), finished_trials(optuna, space, moves), multivariate=True)
+        study = tpe_study(self.context.seed + len(history), finished_trials(optuna, space, moves), multivariate=True,
+                          startup=0)  # the screen is the start-up: no random jumps, however few trials are done
         return ask(study, space, best, tried, allowed)
 
     def local(self, space, best, history, stats, tried, rng) -> dict | None:
@@ -318,11 +321,13 @@ class SearchProposer(Proposer):
             return None
         return changes
 
-    def write(self, path: Path, source: str, best: dict, changes: dict, move: str) -> Proposal:
+    def write(self, path: Path, source: str, best: dict, changes: dict, move: str, push: bool = False) -> Proposal:
         """Edit train.py. A jump is described by its first SHOWN changes and a count of the rest (the table stays
-        readable and a run again's "(repeat n/N)" stays in view); every change is in the record's info."""
+        readable and a run again's "(repeat n/N)" stays in view); every change is in the record's info, and
+        whether the idea pushes a kept local move further."""
         path.write_text(apply_changes(source, self.context.profile, changes))
         shown = dict(list(changes.items())[:SHOWN])
         more = f", +{len(changes) - SHOWN} more" if len(changes) > SHOWN else ""
         description = ("jump: " if move == "model" else "") + describe(best, shown) + more
-        return Proposal(description, {"changes": {k: repr(v) for k, v in changes.items()}, "move": move})
+        info = {"changes": {k: repr(v) for k, v in changes.items()}, "move": move}
+        return Proposal(description, {**info, "push": True} if push else info)

@@ -64,9 +64,10 @@ class TPEProposer(Proposer):
         return Proposal(describe(best, changes))
 
 
-def tpe_study(seed: int, trials: list, multivariate: bool | None = None):
+def tpe_study(seed: int, trials: list, multivariate: bool | None = None, startup: int | None = None):
     """An in-memory TPE study holding `trials`; crashes are failed constraints. multivariate None: optuna's
-    default (independent sampling in 4, multivariate in 5)."""
+    default (independent sampling in 4, multivariate in 5); startup: random trials before TPE models (None:
+    optuna's default, 10)."""
     import warnings
 
     import optuna
@@ -75,6 +76,8 @@ def tpe_study(seed: int, trials: list, multivariate: bool | None = None):
     with warnings.catch_warnings():  # constraints_func is deprecated in optuna 5; multivariate experimental in 4
         warnings.simplefilter("ignore")
         options = {} if multivariate is None else {"multivariate": multivariate, "warn_independent_sampling": False}
+        if startup is not None:
+            options["n_startup_trials"] = startup
         sampler = optuna.samplers.TPESampler(seed=seed, constraints_func=constraint_of, **options)
     study = optuna.create_study(direction="minimize", sampler=sampler)
     study.add_trials(trials)
