@@ -18,7 +18,7 @@ Why not more small steps after the screen: under a noise-aware gate a small step
 effect is within the noise, so the gate runs it again up to 10 times) and is rarely kept; a jump is usually
 decided on one run. A bandit between jumps and small steps was ahead on one surrogate with its runs' noise as
 measured, but fell behind TPE with that noise doubled and on the held-out surrogate after 100 experiments; TPE
-alone after the screen was at least level with TPE's median after 100 on all three, and ahead after 30 but with
+alone after the screen was at least level with TPE's median after 100 on all three, and ahead after 30 except with
 the doubled noise (benchmarks/README.md).
 
 A local move changes one constant (sometimes two) of the current best:
