@@ -89,8 +89,9 @@ def design(space: dict[str, Param], default: dict, sobol: int, repeats: int, rep
     return runs
 
 
-def run_once(workdir: Path, budget: float, profile: str, timeout: float) -> dict:
-    env = {**os.environ, "AUTOLOOP_TIME_BUDGET": str(budget), "AUTOLOOP_PROFILE": profile}
+def run_once(workdir: Path, budget: float, profile: str, timeout: float, env: dict | None = None) -> dict:
+    """One run of workdir/train.py (`env` adds to the environment, e.g. AUTOLOOP_SEED): its result as a row."""
+    env = {**os.environ, "AUTOLOOP_TIME_BUDGET": str(budget), "AUTOLOOP_PROFILE": profile, **(env or {})}
     t0 = time.monotonic()
     try:
         proc = subprocess.run([sys.executable, "train.py"], cwd=workdir, env=env, capture_output=True, text=True,
