@@ -53,6 +53,7 @@ def surrogate_session(job: tuple) -> dict:
     """One (method, gate, seed) session on the surrogate, in a fresh repo: what it kept, when, and how true."""
     model, profile, method, gate, seed, experiments, where, *rest = job
     noise_scale = rest[0] if rest else 1.0
+    limit = rest[1] if len(rest) > 1 else None  # activations above which a run is out of memory (--oom-share)
     os.environ.setdefault("AUTOLOOP_PROGRESS_SECONDS", "1e9")  # one result per session, not the loop's live line
     sys.path[:0] = [str(ROOT / "benchmarks" / "surrogate"), str(ROOT / "benchmarks")]
     from fake import fake_train
@@ -60,7 +61,7 @@ def surrogate_session(job: tuple) -> dict:
 
     base = Path(where) / f"{method.replace(':', '.')}-{gate}-{seed}"
     base.mkdir(parents=True)
-    train = fake_train((ROOT / "train.py").read_text(), profile, Path(model), base / "seen.json", noise_scale)
+    train = fake_train((ROOT / "train.py").read_text(), profile, Path(model), base / "seen.json", noise_scale, limit)
     repo = make_git_repo(base / "repo", {"train.py": train})
     settings = Settings(repo=repo, tag="bench", budget=1.0, max_experiments=experiments, proposer=method,
                         profile=profile, seed=seed, timeout=60, gate=Gate(mode=gate), sandbox="off",
@@ -98,14 +99,24 @@ def surrogate_main(args) -> None:
 
     methods = args.methods.split(",")
     gates = args.gates.split(",")
-    _, default = read_space((ROOT / "train.py").read_text(), args.profile)
+    space, default = read_space((ROOT / "train.py").read_text(), args.profile)
+    limit = None
+    if args.oom_share:
+        from fake import activations, memory_limit
+
+        limit, share = memory_limit(space, args.oom_share)
+        if activations(default) > limit:
+            sys.exit(f"search_quality: with --oom-share {args.oom_share:g} the default itself runs out of memory: "
+                     "use a smaller share")
+        print(f"out of memory above {limit} activations: {share:.1%} of the space (the default: "
+              f"{activations(default)})", flush=True)
     baseline_sd = float(Surrogate.load(args.surrogate).predict([default])[1][0]) * args.noise_scale
     jobs = [(str(args.surrogate.resolve()), args.profile, m, g, seed, args.experiments)
             for seed in range(args.seeds) for g in gates
             for m in (methods if g == gates[0] else ["search"]) + ([NOOP] if args.noop else [])]
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp, ProcessPoolExecutor(args.jobs, initializer=die_with_parent) as pool:
-        results = list(pool.map(surrogate_session, [(*j, tmp, args.noise_scale) for j in jobs]))
+        results = list(pool.map(surrogate_session, [(*j, tmp, args.noise_scale, limit) for j in jobs]))
     report_surrogate(args, results, methods, gates, baseline_sd, time.monotonic() - t0)
 
 
@@ -197,6 +208,9 @@ def main() -> None:
     ap.add_argument("--checkpoints", default="30,100", help="with --surrogate: report the best after these counts")
     ap.add_argument("--noise-scale", type=float, default=1.0,
                     help="with --surrogate: multiply every run's noise (a stress test: same landscape, noisier runs)")
+    ap.add_argument("--oom-share", type=float, default=0.0,
+                    help="with --surrogate: configurations too big for a memory limit crash (out of memory), the "
+                         "limit set so about this share of the space does (the collections have no crashes)")
     ap.add_argument("--jobs", type=int, default=1, help="with --surrogate: sessions at once")
     ap.add_argument("--no-noop", dest="noop", action="store_false",
                     help="with --surrogate: skip the no-op sessions that measure the gates' false keeps (faster)")
@@ -209,6 +223,8 @@ def main() -> None:
     args = ap.parse_args()
     if not (math.isfinite(args.noise_scale) and args.noise_scale > 0):
         ap.error(f"--noise-scale must be a positive number (1: the runs' noise as measured), not {args.noise_scale}")
+    if not 0 <= args.oom_share < 1:
+        ap.error(f"--oom-share must be a share of the space in [0, 1), not {args.oom_share}")
     if args.remeasure < 0:
         ap.error(f"--remeasure must be 0 or more runs, not {args.remeasure}")
     if args.surrogate:

@@ -128,3 +128,27 @@ def test_remeasure_runs_each_distinct_train_py_again_with_fresh_seeds(model, tmp
     assert mean_of(scores["quiet"]) == pytest.approx(predicted[0], abs=2e-6)
     assert mean_of(scores["deeper"]) == pytest.approx(predicted[1], abs=2e-6)
     assert mean_of([2.0, None]) == math.inf and mean_of([2.0, 3.0]) == 2.5
+
+
+def test_a_memory_limit_makes_configurations_too_big_for_it_run_out_of_memory(model, tmp_path):
+    """--oom-share: a crash region set by hand (the CPU collections have none), so crashes can be compared."""
+    from fake import activations, memory_limit
+
+    from orchestrator.proposers.space import apply_changes
+
+    space, default = read_space(SOURCE, "tiny")
+    limit, share = memory_limit(space, 0.3)
+    assert activations(default) <= limit and 0.05 < share <= 0.3
+    assert memory_limit(space, 0.1)[0] > limit  # a smaller share: a higher limit
+    bigger = {"DEPTH": default["DEPTH"] * 2, "DEVICE_BATCH_SIZE": default["DEVICE_BATCH_SIZE"] * 4}
+    assert activations({**default, **bigger}) > limit
+    d = tmp_path / "oom"
+    d.mkdir()
+    fake = fake_train(SOURCE, "tiny", model, d / "seen.json", memory_limit=limit)
+    (d / "train.py").write_text(fake)
+    assert run_fake(d, 0) != "crash"  # the default fits
+    (d / "train.py").write_text(apply_changes(fake, "tiny", bigger))
+    for seed in (0, 1):  # every run of it, whatever the seed
+        proc = subprocess.run([sys.executable, "train.py"], cwd=d, capture_output=True, text=True,
+                              env={"PATH": "/usr/bin:/bin", "AUTOLOOP_SEED": str(seed)}, timeout=60)
+        assert proc.returncode and "surrogate: out of memory" in proc.stderr, proc.stderr

@@ -5,7 +5,8 @@ Each run predicts the configuration's true val_bpb, its sd between runs and its 
 this run's outcome from a generator seeded by (session seed, configuration, how many times this configuration
 ran before in this session): deterministic for a seed, different between repeats. It prints the summary block
 with the noise-free value as `true_bpb`, which the benchmark reads and no proposer sees (proposers read
-val_bpb from the ledger).
+val_bpb from the ledger). With a memory limit (search_quality.py --oom-share), configurations too big for it
+run out of memory every time, as on a GPU.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import fcntl, json, os, sys, zlib
 import numpy as np
 sys.path.insert(0, {here!r})
 from model import Surrogate
+from fake import activations
 
 _names = {names!r}
 _config = {{n: (globals()[n.split("[")[0]][int(n[n.index("[") + 1:-1])] if "[" in n else globals()[n]) for n in _names}}
@@ -35,6 +37,8 @@ with open({state!r}, "a+") as f:  # how often this configuration ran before in t
     f.seek(0)
     f.truncate()
     f.write(json.dumps(_seen))
+if {memory_limit!r} is not None and activations(_config) > {memory_limit!r}:  # set by hand: --oom-share
+    raise RuntimeError(f"surrogate: out of memory (activations {{activations(_config)}} > {memory_limit!r})")
 _mean, _sd, _crash = (float(a[0]) for a in Surrogate.load({model!r}).predict([_config]))
 _rng = np.random.default_rng([int(os.environ.get("AUTOLOOP_SEED", "42")), zlib.crc32(_key.encode()), _n])
 if _rng.random() < _crash:
@@ -54,10 +58,36 @@ print("num_params_M:     0.1")
 '''
 
 
-def fake_train(real_source: str, profile: str, model: Path, state: Path, noise_scale: float = 1.0) -> str:
+def activations(config: dict) -> int:
+    """What a configuration's activation memory grows with: depth x width x sequences per micro-batch (the
+    width is DEPTH x ASPECT_RATIO rounded up to HEAD_DIM, as train.py builds it)."""
+    width = -(-config["DEPTH"] * config["ASPECT_RATIO"] // config["HEAD_DIM"]) * config["HEAD_DIM"]
+    return int(config["DEPTH"] * width * config["DEVICE_BATCH_SIZE"])
+
+
+def memory_limit(space: dict, share: float, seed: int = 0, draws: int = 20_000) -> tuple[int, float]:
+    """The smallest activation limit above which at most `share` of the space (sampled as random search samples
+    it) runs out of memory, and the share that does: sizes are powers of two, so it is rarely exactly `share`."""
+    import random
+
+    from orchestrator.proposers.random_search import sample
+    from orchestrator.proposers.space import rounded
+
+    rng = random.Random(seed)
+    values = sorted(activations({n: rounded(sample(p, rng), p.kind) for n, p in space.items()}) for _ in range(draws))
+    for limit in sorted(set(values)):
+        over = sum(v > limit for v in values) / draws
+        if over <= share:
+            return limit, over
+    return values[-1], 0.0
+
+
+def fake_train(real_source: str, profile: str, model: Path, state: Path, noise_scale: float = 1.0,
+               memory_limit: int | None = None) -> str:
     """The fake train.py: the real one's hyperparameter constants (this profile's values and bounds, written
     as plain constants) and the surrogate's body. `noise_scale` multiplies the surrogate's run-to-run sd (a
-    stress test: the same landscape, noisier runs)."""
+    stress test: the same landscape, noisier runs). A configuration whose `activations` exceed `memory_limit`
+    runs out of memory, every time (a crash region set by hand: the collections on a CPU have none)."""
     from orchestrator.hparams import format_value, read_constants
     from orchestrator.proposers.space import read_space
 
@@ -73,4 +103,5 @@ def fake_train(real_source: str, profile: str, model: Path, state: Path, noise_s
         lines.append(f"{c.name} = {c.value!r}  # {bounds}".rstrip())
     space, _ = read_space(real_source, profile)
     return "\n".join(lines) + "\n" + BODY.format(here=str(HERE), names=sorted(space), state=str(state),
-                                                  model=str(model), noise_scale=float(noise_scale))
+                                                  model=str(model), noise_scale=float(noise_scale),
+                                                  memory_limit=memory_limit)
