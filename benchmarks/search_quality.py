@@ -177,6 +177,12 @@ def report_surrogate(args, results: list[dict], methods: list[str], gates: list[
                 p = wilcoxon(a, b, alternative="less").pvalue if any(diff) else 1.0
                 print(f"search vs {other:7s} after {k:3d}: search better on {wins}/{len(diff)} seeds, "
                       f"median difference {statistics.median(diff):+.4f}, Wilcoxon one-sided p = {p:.3g}")
+            a, b = [r["crashes"] for r in by["search"]], [r["crashes"] for r in by[other]]
+            if any(a) or any(b):
+                fewer = sum(x < y for x, y in zip(a, b))
+                p = wilcoxon(a, b, alternative="less").pvalue if any(x != y for x, y in zip(a, b)) else 1.0
+                print(f"search vs {other:7s} crashes: {sum(a)} vs {sum(b)}, fewer on {fewer}/{len(a)} seeds "
+                      f"(more on {sum(x > y for x, y in zip(a, b))}), Wilcoxon one-sided p = {p:.3g}")
     print(f"\ngates (method search): a keep whose true value is not better is a false keep; power: candidates "
           f"truly better by >= 2 baseline sd ({2 * baseline_sd:.4f}) that were kept")
     for g in gates:
@@ -258,6 +264,9 @@ def main() -> None:
                 print(f"[{time.monotonic() - t0:6.0f}s] seed {seed} {method:7s} baseline {kept[0]:.4f} best "
                       f"{min(kept):.4f} ({len(kept) - 1} keeps of {ideas} ideas, "
                       f"{seen[method]['crashes']} crashes)", flush=True)
+                for r in records:
+                    if r is not None and r.status == "crash":  # the run directories are temporary: say why here
+                        print(f"    crash #{r.n} {r.description[:70]}: {r.reason[:120]}", flush=True)
             if args.remeasure:
                 scores = remeasure(bests, args.remeasure, args.budget, args.profile,
                                    args.timeout or 3 * args.budget + 30, seed)

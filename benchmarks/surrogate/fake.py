@@ -37,8 +37,9 @@ with open({state!r}, "a+") as f:  # how often this configuration ran before in t
     f.seek(0)
     f.truncate()
     f.write(json.dumps(_seen))
-if {memory_limit!r} is not None and activations(_config) > {memory_limit!r}:  # set by hand: --oom-share
-    raise RuntimeError(f"surrogate: out of memory (activations {{activations(_config)}} > {memory_limit!r})")
+_limit = {memory_limit!r}  # set by hand (--oom-share): above it, out of memory every time
+if _limit is not None and activations(_config) > _limit:
+    raise RuntimeError(f"surrogate: out of memory (activations {{activations(_config)}} > {{_limit}})")
 _mean, _sd, _crash = (float(a[0]) for a in Surrogate.load({model!r}).predict([_config]))
 _rng = np.random.default_rng([int(os.environ.get("AUTOLOOP_SEED", "42")), zlib.crc32(_key.encode()), _n])
 if _rng.random() < _crash:
