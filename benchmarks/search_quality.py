@@ -65,7 +65,8 @@ def surrogate_session(job: tuple) -> dict:
     repo = make_git_repo(base / "repo", {"train.py": train})
     settings = Settings(repo=repo, tag="bench", budget=1.0, max_experiments=experiments, proposer=method,
                         profile=profile, seed=seed, timeout=60, gate=Gate(mode=gate), sandbox="off",
-                        baseline_repeats=0 if gate == "strict" else 2)
+                        baseline_repeats=0 if gate == "strict" else 2,
+                        max_crashes=experiments + 1)  # a streak of crashes is data here, not a broken setup
     run_loop(settings, echo=lambda line: None)
     records = [read_record(Paths(repo, "bench").run_dir(n)) for n in range(1, experiments + 1)]
     records = [r for r in records if r is not None]
@@ -105,6 +106,9 @@ def surrogate_main(args) -> None:
         from fake import activations, memory_limit
 
         limit, share = memory_limit(space, args.oom_share)
+        if share == 0:
+            sys.exit(f"search_quality: --oom-share {args.oom_share:g} leaves no configuration out of memory (sizes "
+                     "are powers of two, so the largest alone is about 2% of the space): use a larger share")
         if activations(default) > limit:
             sys.exit(f"search_quality: with --oom-share {args.oom_share:g} the default itself runs out of memory: "
                      "use a smaller share")
@@ -126,7 +130,9 @@ def die_with_parent() -> None:
     import signal
 
     try:
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux): SIGTERM would let it finish its run
+        # PR_SET_PDEATHSIG (Linux). Not SIGTERM: the loop turns it into an exception that the pool's worker
+        # catches, and the orphan would go on to its next session.
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)
     except (OSError, AttributeError):
         pass
 
@@ -216,7 +222,7 @@ def main() -> None:
                     help="with --surrogate: multiply every run's noise (a stress test: same landscape, noisier runs)")
     ap.add_argument("--oom-share", type=float, default=0.0,
                     help="with --surrogate: configurations too big for a memory limit crash (out of memory), the "
-                         "limit set so about this share of the space does (the collections have no crashes)")
+                         "limit set so at most this share of the space does (the collections have no crashes)")
     ap.add_argument("--jobs", type=int, default=1, help="with --surrogate: sessions at once")
     ap.add_argument("--no-noop", dest="noop", action="store_false",
                     help="with --surrogate: skip the no-op sessions that measure the gates' false keeps (faster)")
@@ -233,6 +239,8 @@ def main() -> None:
         ap.error(f"--oom-share must be a share of the space in [0, 1), not {args.oom_share}")
     if args.remeasure < 0:
         ap.error(f"--remeasure must be 0 or more runs, not {args.remeasure}")
+    if args.oom_share and not args.surrogate:
+        ap.error("--oom-share needs --surrogate (real runs crash only where they really do)")
     if args.surrogate:
         args.methods = args.methods or "search,random,tpe,cmaes,perturb"
         return surrogate_main(args)
@@ -252,7 +260,8 @@ def main() -> None:
                 settings = Settings(repo=repo, tag="bench", budget=args.budget, max_experiments=args.experiments,
                                     proposer=method, profile=args.profile, seed=seed,
                                     timeout=args.timeout or 3 * args.budget + 30, gate=Gate(mode=args.gate),
-                                    baseline_repeats=0 if args.gate == "strict" else 2)
+                                    baseline_repeats=0 if args.gate == "strict" else 2,
+                                    max_crashes=args.experiments + 1)  # a streak of crashes is data here
                 run_loop(settings, echo=lambda line: None)
                 rows = read_rows(repo / "results.tsv")
                 kept = [r.val_bpb for r in rows if r.status == "keep"]
@@ -260,7 +269,7 @@ def main() -> None:
                 ideas = len({group_of(r) for r in records if r is not None} - {1})  # run 1: the baseline
                 seen[method] = {"session": kept[0] - min(kept), "keeps": len(kept) - 1, "ideas": ideas,
                                 "crashes": sum(r.status == "crash" for r in rows)}
-                bests[method] = git.Repo(repo).git.show("autoloop/bench:train.py")  # the session's best
+                bests[method] = best_source(repo)
                 print(f"[{time.monotonic() - t0:6.0f}s] seed {seed} {method:7s} baseline {kept[0]:.4f} best "
                       f"{min(kept):.4f} ({len(kept) - 1} keeps of {ideas} ideas, "
                       f"{seen[method]['crashes']} crashes)", flush=True)
@@ -271,10 +280,11 @@ def main() -> None:
                 scores = remeasure(bests, args.remeasure, args.budget, args.profile,
                                    args.timeout or 3 * args.budget + 30, seed)
                 base = mean_of(scores["default"])
-                for method in methods:
-                    seen[method]["improvement"] = base - mean_of(scores[method])
+                for method in methods:  # a best that crashed again is infinitely worse; a default that did: void
+                    seen[method]["improvement"] = base - mean_of(scores[method]) if base < math.inf else None
                 print(f"[{time.monotonic() - t0:6.0f}s] seed {seed} re-measured, {args.remeasure} runs each: "
-                      + ", ".join(f"{k} {mean_of(v):.4f}" for k, v in scores.items()), flush=True)
+                      + ", ".join(f"{k} {mean_of(v):.4f}" for k, v in scores.items())
+                      + ("" if base < math.inf else " (the default crashed: this seed is left out)"), flush=True)
                 seen["scores"] = scores
             per_seed.append(seen)
     key = "improvement" if args.remeasure else "session"
@@ -283,13 +293,22 @@ def main() -> None:
              if args.remeasure else "improvement: the session's baseline minus its best, as its ledger says"))
     print(f"{'method':8s} {'median':>8s} {'min':>8s} {'max':>8s} {'keeps':>6s} {'ideas':>6s} {'crashes':>8s}  per seed")
     for m in methods:
-        v = [s[m][key] for s in per_seed]
+        v = [s[m][key] for s in per_seed if s[m][key] is not None]
+        if not v:
+            print(f"{m:8s} no seed measured (the default crashed on every re-measure)")
+            continue
         print(f"{m:8s} {statistics.median(v):8.4f} {min(v):8.4f} {max(v):8.4f} "
               f"{sum(s[m]['keeps'] for s in per_seed):6d} {sum(s[m]['ideas'] for s in per_seed):6d} "
               f"{sum(s[m]['crashes'] for s in per_seed):8d}  " + " ".join(f"{x:.4f}" for x in v))
     if args.out:
-        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "seeds": per_seed},
+        finite = json.loads(json.dumps(per_seed), parse_constant=lambda c: None)  # -inf (a crashed best): null
+        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "seeds": finite},
                                        indent=1))
+
+
+def best_source(repo: Path) -> str:
+    """A session's best train.py, byte for byte: one that kept nothing is the default's and shares its runs."""
+    return git.Repo(repo).git.show("autoloop/bench:train.py", strip_newline_in_stdout=False)
 
 
 def mean_of(values: list[float | None]) -> float:
@@ -321,8 +340,11 @@ def remeasure(sources: dict[str, str], rounds: int, budget: float, profile: str,
             rng.shuffle(order)
             for i in order:
                 result = run_once(Path(tmp) / str(i), budget, profile, timeout,
-                                  {"AUTOLOOP_SEED": str(10_000 + 100 * seed + r)})
+                                  {"AUTOLOOP_SEED": str(10_000 * (seed + 1) + r)})
                 runs[i].append(float(result["val_bpb"]) if result["val_bpb"] else None)
+                if not result["val_bpb"]:
+                    names = ", ".join(n for n, src in sources.items() if src == distinct[i])
+                    print(f"    re-measure crash ({names}, round {r + 1}): {result['crash'][:120]}", flush=True)
     return {name: runs[distinct.index(source)] for name, source in sources.items()}
 
 if __name__ == "__main__":
