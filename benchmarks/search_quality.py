@@ -116,7 +116,7 @@ def surrogate_main(args) -> None:
               f"{activations(default)})", flush=True)
     baseline_sd = float(Surrogate.load(args.surrogate).predict([default])[1][0]) * args.noise_scale
     jobs = [(str(args.surrogate.resolve()), args.profile, m, g, seed, args.experiments)
-            for seed in range(args.seeds) for g in gates
+            for seed in range(args.first_seed, args.first_seed + args.seeds) for g in gates
             for m in (methods if g == gates[0] else ["search"]) + ([NOOP] if args.noop else [])]
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp, ProcessPoolExecutor(args.jobs, initializer=die_with_parent) as pool:
@@ -209,6 +209,7 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=8.0, help="training seconds per experiment")
     ap.add_argument("--experiments", type=int, default=16, help="experiments per session (baseline included)")
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--first-seed", type=int, default=0, help="seeds run from this one (more seeds in another run)")
     ap.add_argument("--profile", default="tiny", choices=["gpu", "cpu", "tiny"])
     ap.add_argument("--timeout", type=float, default=None,
                     help="hard limit per run (default 3 x budget + 30 s): huge sampled models time out alike")
@@ -237,6 +238,8 @@ def main() -> None:
         ap.error(f"--noise-scale must be a positive number (1: the runs' noise as measured), not {args.noise_scale}")
     if not 0 <= args.oom_share < 1:
         ap.error(f"--oom-share must be a share of the space in [0, 1), not {args.oom_share}")
+    if args.seeds < 1 or args.first_seed < 0:
+        ap.error(f"--seeds must be 1 or more and --first-seed 0 or more, not {args.seeds} and {args.first_seed}")
     if args.remeasure < 0:
         ap.error(f"--remeasure must be 0 or more runs, not {args.remeasure}")
     if args.oom_share and not args.surrogate:
@@ -252,7 +255,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         os.environ.setdefault("AUTOLOOP_CACHE", str(Path(tmp) / "cache"))
         os.environ.setdefault("AUTOLOOP_PROGRESS_SECONDS", "1e9")  # one line per session, not the loop's live line
-        for seed in range(args.seeds):
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             bests = {"default": (ROOT / "train.py").read_text()}
             seen: dict[str, dict] = {}
             for method in methods:
