@@ -350,5 +350,6 @@ def remeasure(sources: dict[str, str], rounds: int, budget: float, profile: str,
                     print(f"    re-measure crash ({names}, round {r + 1}): {result['crash'][:120]}", flush=True)
     return {name: runs[distinct.index(source)] for name, source in sources.items()}
 
+
 if __name__ == "__main__":
     sys.exit(main())
