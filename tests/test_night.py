@@ -191,7 +191,7 @@ def test_the_search_learns_nothing_from_environment_crashes(tmp_path):
     for cause, closed in (("environment", False), ("idea", True)):
         history = [Record(n=1, status="keep", description="baseline", commit=base, parent=base),
                    Record(n=2, status="crash", description="x2", commit=bigger, parent=base, cause=cause)]
-        stats, tried = proposer.learn(space, history, best)
+        stats, tried, _ = proposer.learn(space, history, best)
         assert (stats[name].crash_above is not None) is closed, cause
 
 

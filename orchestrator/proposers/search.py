@@ -28,9 +28,11 @@ A local move changes one constant (sometimes two) of the current best:
 - how far: a per-constant step size that grows after a keep and shrinks after a discard or crash
   (floats move multiplicatively in log space, powers of two by doublings, other ints by steps, strings
   among their declared choices);
-- never a configuration that was already tried, and never into a region where moving that constant crashed
-  (e.g. ran out of memory) from a smaller or equal value. A model jump that crashed closes the region
-  beyond each size it grew (out of memory is a jump's usual crash), and the jumps are held to these regions.
+- never a configuration that was already tried, and never into a region that crashed: an idea that grew the
+  model or the micro-batch and crashed (out of memory, usually) closes every configuration at least as large
+  in each of those sizes together (depth, width, head size, sequences per micro-batch: memory grows with each),
+  so a deeper model with a smaller micro-batch stays open; moving any other constant that crashed closes the
+  region beyond that value of it alone. Jumps are held to the same regions.
 
 All of it is rebuilt from the history (train.py at each tried commit, and each row's status) on every call,
 so it survives restarts and proposes the same next idea after a resume.
@@ -77,6 +79,34 @@ def is_size(name: str) -> bool:
     return any(k in upper for k in SIZE_KEYS) and not any(k in upper for k in RATE_KEYS + SCHEDULE_KEYS)
 
 
+def is_memory(name: str, p: Param) -> bool:
+    """A numeric size that a run's memory grows with: not the total batch (tokens per optimizer step: the
+    accumulation is derived from it, so a bigger one is more micro-steps, not more memory)."""
+    numeric = p.kind != "choice" or all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in p.choices)
+    return is_size(name) and "TOTAL" not in name.upper() and numeric
+
+
+class Regions:
+    """Where growing the model or the micro-batch crashed. Memory grows with each of these sizes, so a
+    configuration at least as large as a crashed one in all of them at once is closed; one smaller in any of
+    them (a deeper model with fewer sequences per micro-batch) is not. A region the best lies in is void: the
+    best ran there, so its crash was not about memory."""
+
+    def __init__(self, space: dict[str, Param]):
+        self.names = [n for n, p in space.items() if is_memory(n, p)]
+        self.crashed: list[dict] = []
+
+    def grew(self, config: dict, parent: dict) -> bool:
+        return any(n in config and n in parent and config[n] > parent[n] for n in self.names)
+
+    def add(self, config: dict) -> None:
+        self.crashed.append({n: config[n] for n in self.names if n in config})
+
+    def closes(self, config: dict, best: dict) -> bool:
+        return any(all(config[n] >= v for n, v in region.items()) for region in self.crashed
+                   if region and not all(best[n] >= v for n, v in region.items()))
+
+
 class Stats:
     """What the history says about one dimension."""
 
@@ -90,7 +120,7 @@ class Stats:
         self.crash_above: float | None = None  # moving up to this value (or beyond) crashed
         self.crash_below: float | None = None
 
-    def record(self, outcome: str, direction: int, value, parent_value) -> None:
+    def record(self, outcome: str, direction: int, value, close: bool = True) -> None:
         self.tries += 1
         if outcome == "keep":
             self.keeps += 1
@@ -98,7 +128,7 @@ class Stats:
             self.step = min(self.step * GROW, MAX_STEP[self.kind])
         else:
             self.step = max(self.step * (CRASH_SHRINK if outcome == "crash" else SHRINK), MIN_STEP[self.kind])
-        if outcome == "crash":
+        if outcome == "crash" and close:
             self.crashed(direction, value)
 
     def crashed(self, direction: int, value) -> None:
@@ -163,8 +193,10 @@ class SearchProposer(Proposer):
         except ImportError:
             raise LoopError("search needs optuna, a dependency of autoloop: reinstall it (pip install -e .)") from None
 
-    def learn(self, space: dict[str, Param], history: list[Record], best: dict) -> tuple[dict[str, Stats], set]:
+    def learn(self, space: dict[str, Param], history: list[Record],
+              best: dict) -> tuple[dict[str, Stats], set, Regions]:
         stats = {name: Stats(p.kind) for name, p in space.items()}
+        regions = Regions(space)
         tried = set()
         outcome = outcomes(history)
         for rec, cfg, parent in self.configs.moves(history):
@@ -178,20 +210,24 @@ class SearchProposer(Proposer):
                 name = changed[0]
                 p = space[name]
                 stats[name].tried_from_best.add(cfg[name] if p.kind == "choice" else _direction(p, parent[name], cfg[name]))
+            memory = outcome[rec.n] == "crash" and regions.grew(cfg, parent)
+            if memory:
+                regions.add(cfg)
             if rec.info.get("move") == "model" or len(changed) > 2:
                 # a jump says nothing about one constant's step; a crash closes only what a jump's crash
-                # usually is, out of memory: the region beyond each size it grew
-                for name in changed if outcome[rec.n] == "crash" else ():
+                # usually is, out of memory: the sizes it grew (any other size alone, as a local move's)
+                for name in changed if outcome[rec.n] == "crash" and not memory else ():
                     if is_size(name) and _direction(space[name], parent[name], cfg[name]) > 0:
                         stats[name].crashed(1, cfg[name])
                 continue
             for name in changed:
                 p = space[name]
                 d = _direction(p, parent[name], cfg[name])
-                stats[name].record(outcome[rec.n], d, cfg[name], parent[name])
+                region = memory and d > 0 and name in regions.names  # closed with the other sizes, not alone
+                stats[name].record(outcome[rec.n], d, cfg[name], close=not region)
                 if parent == best and outcome[rec.n] != "keep":
                     stats[name].failed_from_best.add(d)
-        return stats, tried
+        return stats, tried, regions
 
     def allowed(self, p: Param, s: Stats, value, best_value) -> bool:
         if p.kind == "choice":
@@ -225,20 +261,22 @@ class SearchProposer(Proposer):
         space, best = read_space(source, self.context.profile)
         if not space:
             return None
-        stats, tried = self.learn(space, history, best)
+        stats, tried, regions = self.learn(space, history, best)
         tried.add(config_key(best))
+        closed = lambda config: regions.closes(config, best)  # noqa: E731
         rng = random.Random(f"{self.context.seed}:{len(history)}")  # the same proposal after a resume
-        push = self.momentum(space, history, best, stats, tried, rng)
+        push = self.momentum(space, history, best, stats, tried, closed, rng)
         if push is not None:
             return self.write(path, source, best, push, "local", push=True)
         screening = self.startup(history)
         if not screening:
             changes = self.model(space, best, history, tried,
-                                 lambda c: all(self.allowed(space[n], stats[n], v, best[n]) for n, v in c.items()))
+                                 lambda c: all(self.allowed(space[n], stats[n], v, best[n]) for n, v in c.items())
+                                 and not closed({**best, **c}))
             if changes:
                 return self.write(path, source, best, changes, "model")
-        changes = screening and self.screen(space, best, stats, tried, rng) or \
-            self.local(space, best, history, stats, tried, rng)
+        changes = screening and self.screen(space, best, stats, tried, closed, rng) or \
+            self.local(space, best, history, stats, tried, closed, rng)
         return self.write(path, source, best, changes, "local") if changes else None
 
     def startup(self, history: list[Record]) -> bool:
@@ -246,7 +284,7 @@ class SearchProposer(Proposer):
         first = [rec for rec in history if (rec.group or rec.n) == rec.n]
         return sum(rec.info.get("move") == "local" for rec in first) < STARTUP
 
-    def screen(self, space, best, stats, tried, rng) -> dict | None:
+    def screen(self, space, best, stats, tried, closed, rng) -> dict | None:
         """One constant moved one way from the best, a (constant, direction) not yet tried from it: of the kind
         likeliest to matter (`prior`), at random among those. A kept move makes a new best, screened afresh."""
         options = []
@@ -257,7 +295,8 @@ class SearchProposer(Proposer):
                 if d in s.tried_from_best:
                     continue
                 value = d if p.kind == "choice" else rounded(p.clip(step_value(p, best[name], d, s.step, rng)), p.kind)
-                if self.allowed(p, s, value, best[name]) and config_key({**best, name: value}) not in tried:
+                config = {**best, name: value}
+                if self.allowed(p, s, value, best[name]) and config_key(config) not in tried and not closed(config):
                     options.append((prior(name), rng.random(), name, value))
         if not options:
             return None
@@ -273,7 +312,7 @@ class SearchProposer(Proposer):
                           startup=0)  # the screen is the start-up: no random jumps, however few trials are done
         return ask(study, space, best, tried, allowed)
 
-    def local(self, space, best, history, stats, tried, rng) -> dict | None:
+    def local(self, space, best, history, stats, tried, closed, rng) -> dict | None:
         names = list(space)
         for attempt in range(self.max_attempts):
             count = 2 if len(history) > len(names) and rng.random() < 0.2 or attempt > self.max_attempts // 2 else 1
@@ -293,6 +332,8 @@ class SearchProposer(Proposer):
                         stats[name].tries = max(stats[name].tries, 1)
                 continue
             config = {**best, **changes}
+            if closed(config):
+                continue
             if config_key(config) in tried:
                 for name in changes:  # that neighbourhood is explored: look further next time
                     stats[name].step = min(stats[name].step * 1.3, MAX_STEP[space[name].kind])
@@ -301,7 +342,7 @@ class SearchProposer(Proposer):
             return changes
         return None
 
-    def momentum(self, space, history, best, stats, tried, rng) -> dict | None:
+    def momentum(self, space, history, best, stats, tried, closed, rng) -> dict | None:
         """After a kept local move, usually push the same constants further the same way (pattern search)."""
         moves = self.configs.moves([r for r in history if r.status != "running"][-1:])
         if not moves or moves[0][0].status != "keep" or moves[0][0].info.get("move") == "model" or rng.random() > 0.7:
@@ -317,7 +358,7 @@ class SearchProposer(Proposer):
             if not self.allowed(p, s, value, best[name]):
                 return None
             changes[name] = value
-        if not changes or config_key({**best, **changes}) in tried:
+        if not changes or config_key({**best, **changes}) in tried or closed({**best, **changes}):
             return None
         return changes
 
