@@ -152,6 +152,7 @@ def test_search_closes_what_a_crash_of_a_bigger_model_covers_in_every_size_at_on
     assert not regions.closes({**deeper, "HEAD_DIM": 32}, best)
     assert not regions.closes({**best, "DEPTH": best["DEPTH"] + 1}, best)
     assert not regions.closes(deeper, deeper)  # the best ran there: that crash was not about memory
+    assert not regions.closes({**deeper, "HEAD_DIM": "auto"}, best)  # a value edited by hand: not compared
 
 
 def test_search_survives_a_restart(tmp_path):

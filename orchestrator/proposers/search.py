@@ -82,7 +82,7 @@ def is_size(name: str) -> bool:
 def is_memory(name: str, p: Param) -> bool:
     """A numeric size that a run's memory grows with: not the total batch (tokens per optimizer step: the
     accumulation is derived from it, so a bigger one is more micro-steps, not more memory)."""
-    numeric = p.kind != "choice" or all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in p.choices)
+    numeric = p.kind != "choice" or all(_number(c) for c in p.choices)
     return is_size(name) and "TOTAL" not in name.upper() and numeric
 
 
@@ -97,14 +97,20 @@ class Regions:
         self.crashed: list[dict] = []
 
     def grew(self, config: dict, parent: dict) -> bool:
-        return any(n in config and n in parent and config[n] > parent[n] for n in self.names)
+        return any(_number(config.get(n)) and _number(parent.get(n)) and config[n] > parent[n] for n in self.names)
 
     def add(self, config: dict) -> None:
-        self.crashed.append({n: config[n] for n in self.names if n in config})
+        self.crashed.append({n: config[n] for n in self.names if _number(config.get(n))})
 
     def closes(self, config: dict, best: dict) -> bool:
-        return any(all(config[n] >= v for n, v in region.items()) for region in self.crashed
-                   if region and not all(best[n] >= v for n, v in region.items()))
+        def within(c: dict, region: dict) -> bool:
+            return all(_number(c.get(n)) and c[n] >= v for n, v in region.items())
+
+        return any(within(config, region) for region in self.crashed if region and not within(best, region))
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 class Stats:
