@@ -195,6 +195,41 @@ def test_the_search_learns_nothing_from_environment_crashes(tmp_path):
         assert (stats[name].crash_above is not None) is closed, cause
 
 
+def test_an_out_of_memory_crash_closes_its_sizes_together_and_nothing_alone(tmp_path):
+    """A move that grew DEPTH and shrank WIDTH and ran out of memory closes what is at least as deep and as wide,
+    together: neither size is closed alone (a deeper, narrower model stays open), and a crash the machine caused
+    closes nothing."""
+    from orchestrator.contract import make_fake_repo
+    from orchestrator.ledger import Record
+    from orchestrator.proposers import Context
+    from orchestrator.proposers.search import SearchProposer
+    from orchestrator.proposers.space import read_space
+
+    repo_path = make_fake_repo(tmp_path / "r")
+    repo = git.Repo(repo_path)
+    base = repo.head.commit.hexsha
+    source = (repo_path / "train.py").read_text()
+    space, best = read_space(source, None)
+    assert (best["DEPTH"], best["WIDTH"]) == (4, 128)
+    (repo_path / "train.py").write_text(source.replace("DEPTH = 4", "DEPTH = 8").replace("WIDTH = 128", "WIDTH = 64"))
+    repo.git.commit("-qam", "deeper, narrower")
+    moved = repo.head.commit.hexsha
+    proposer = SearchProposer(Context(repo=repo_path, tag="s", profile=None))
+    for cause in ("idea", "environment"):
+        history = [Record(n=1, status="keep", description="baseline", commit=base, parent=base),
+                   Record(n=2, status="crash", description="x", commit=moved, parent=base, cause=cause)]
+        stats, _, regions = proposer.learn(space, history, best)
+        assert stats["DEPTH"].crash_above is None and stats["WIDTH"].crash_below is None
+        if cause == "environment":
+            assert regions.crashed == []
+            continue
+        assert regions.crashed == [{"WIDTH": 64, "DEPTH": 8}]
+        assert regions.closes({**best, "DEPTH": 8, "WIDTH": 64}, best)
+        assert regions.closes({**best, "DEPTH": 16, "WIDTH": 128}, best)
+        assert not regions.closes({**best, "DEPTH": 8, "WIDTH": 32}, best)
+        assert proposer.allowed(space["WIDTH"], stats["WIDTH"], 32, best["WIDTH"])
+
+
 def test_a_log_flood_is_capped_head_and_tail(fake_repo):
     """Old: run.log had no cap and was read whole: a print in the step loop could fill the disk and the
     controller's memory. Now the log keeps its first and last halves of --max-log-mb, and the summary at its

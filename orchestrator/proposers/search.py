@@ -30,9 +30,10 @@ A local move changes one constant (sometimes two) of the current best:
   among their declared choices);
 - never a configuration that was already tried, and never into a region that crashed: an idea that grew the
   model or the micro-batch and crashed (out of memory, usually) closes every configuration at least as large
-  in each of those sizes together (depth, width, head size, sequences per micro-batch: memory grows with each),
-  so a deeper model with a smaller micro-batch stays open; moving any other constant that crashed closes the
-  region beyond that value of it alone. Jumps are held to the same regions.
+  in all of those sizes at once (DEPTH, ASPECT_RATIO, HEAD_DIM, DEVICE_BATCH_SIZE: memory grows with each), so
+  a deeper model with a smaller micro-batch stays open, and a region the best ran in is void; any other idea
+  that crashed closes the region beyond the value of each constant it moved (a jump: of each size it grew)
+  alone. Jumps are held to the same regions.
 
 All of it is rebuilt from the history (train.py at each tried commit, and each row's status) on every call,
 so it survives restarts and proposes the same next idea after a resume.
@@ -80,8 +81,10 @@ def is_size(name: str) -> bool:
 
 
 def is_memory(name: str, p: Param) -> bool:
-    """A numeric size that a run's memory grows with: not the total batch (tokens per optimizer step: the
-    accumulation is derived from it, so a bigger one is more micro-steps, not more memory)."""
+    """A numeric size that a run's memory grows with. Not the total batch (tokens per optimizer step): a bigger
+    one is more accumulated micro-steps. (train.py also caps the micro-batch at it, so a total below
+    DEVICE_BATCH_SIZE x MAX_SEQ_LEN uses less memory: a region covers every total batch, and may close a
+    smaller one that would fit.)"""
     numeric = p.kind != "choice" or all(_number(c) for c in p.choices)
     return is_size(name) and "TOTAL" not in name.upper() and numeric
 
@@ -148,8 +151,8 @@ class Stats:
 
 
 def _direction(p: Param, before, after) -> int:
-    if p.kind == "choice" or before == after:
-        return 0
+    if p.kind == "choice" or before == after or not (_number(before) and _number(after)):
+        return 0  # a value edited by hand to another type: no direction
     return 1 if after > before else -1
 
 
@@ -221,7 +224,7 @@ class SearchProposer(Proposer):
                 regions.add(cfg)
             if rec.info.get("move") == "model" or len(changed) > 2:
                 # a jump says nothing about one constant's step; a crash closes only what a jump's crash
-                # usually is, out of memory: the sizes it grew (any other size alone, as a local move's)
+                # usually is, out of memory: the region above, or else each size it grew, alone
                 for name in changed if outcome[rec.n] == "crash" and not memory else ():
                     if is_size(name) and _direction(space[name], parent[name], cfg[name]) > 0:
                         stats[name].crashed(1, cfg[name])
@@ -229,8 +232,9 @@ class SearchProposer(Proposer):
             for name in changed:
                 p = space[name]
                 d = _direction(p, parent[name], cfg[name])
-                region = memory and d > 0 and name in regions.names  # closed with the other sizes, not alone
-                stats[name].record(outcome[rec.n], d, cfg[name], close=not region)
+                # out of memory: the region above is what it closes (no size, shrunk or grown, and no other
+                # constant moved with them is closed alone)
+                stats[name].record(outcome[rec.n], d, cfg[name], close=not memory)
                 if parent == best and outcome[rec.n] != "keep":
                     stats[name].failed_from_best.add(d)
         return stats, tried, regions
