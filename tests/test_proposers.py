@@ -135,8 +135,8 @@ def test_search_improves_never_repeats_and_avoids_the_crash_region(tmp_path):
 def test_search_closes_what_a_crash_of_a_bigger_model_covers_in_every_size_at_once():
     """Old: a crash after growing DEPTH closed every deeper model, whatever its micro-batch, so a deeper model
     that fits with fewer sequences per micro-batch was out of reach. Now the sizes that memory grows with are
-    closed together; the total batch (accumulated, not held in memory) is not one of them; a region the best
-    ran in is void."""
+    closed together; the total batch (more accumulated micro-steps when bigger) is not one of them; a region the
+    best ran in is void."""
     from orchestrator.proposers.search import Regions
     from orchestrator.proposers.space import read_space
 

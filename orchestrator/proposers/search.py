@@ -368,7 +368,8 @@ class SearchProposer(Proposer):
             if not self.allowed(p, s, value, best[name]):
                 return None
             changes[name] = value
-        if not changes or config_key({**best, **changes}) in tried or closed({**best, **changes}):
+        config = {**best, **changes}
+        if not changes or config_key(config) in tried or closed(config):
             return None
         return changes
 
