@@ -34,6 +34,7 @@ import itertools
 import json
 import math
 import pickle
+import re
 import sysconfig
 import threading
 import time
@@ -771,19 +772,22 @@ def eval_rows(tokenizer, paths, n_rows):
 
 @torch.no_grad()
 def _evaluate_split_bpb(model, tokenizer, batch_size, split):
-    """Bits per byte over exactly split_tokens(split) target tokens, in batches of at most batch_size rows
-    (fewer when the logits would exceed EVAL_LOGITS_BYTES; the last batch partial)."""
+    """Bits per byte over exactly split_tokens(split) target tokens, computed here from the model's logits
+    (model(x) -> (rows, T, vocab)), in batches of at most batch_size rows (fewer when the logits would exceed
+    EVAL_LOGITS_BYTES; the last batch partial)."""
     device = next(model.parameters()).device
     token_bytes = get_token_bytes(device=device)
     wanted = split_tokens(split)
     rows = eval_rows(tokenizer, _split_files(split), -(-wanted // MAX_SEQ_LEN))
-    per_forward = max(1, min(batch_size, EVAL_LOGITS_BYTES // (MAX_SEQ_LEN * len(token_bytes) * 4)))
+    per_forward = eval_rows_per_forward(batch_size, len(token_bytes))
     total_nats, total_bytes, counted = 0.0, 0, 0
     for start in range(0, len(rows), per_forward):
         batch = rows[start:start + per_forward].to(device)
         x, y = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
         take = min(y.numel(), wanted - counted)  # the last row may count only in part
-        loss = model(x, y, reduction="none").view(-1).float()[:take]
+        logits = model(x).float()
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1),
+                                                 reduction="none")[:take]
         nbytes = token_bytes[y.view(-1)[:take]]
         total_nats += (loss * (nbytes > 0)).sum().item()
         total_bytes += nbytes.sum().item()
@@ -798,92 +802,383 @@ def evaluate_bpb(model, tokenizer, batch_size):
     byte length of the target tokens (special tokens excluded), on EVAL_TOKENS tokens of the pinned validation
     split at MAX_SEQ_LEN. Independent of the vocabulary, so comparable across tokenizers.
 
-    Under the autoloop controller (AUTOLOOP_EVAL_ARTIFACT set) the model is only saved there and nan is returned:
-    the number that counts is computed from that file by `python prepare.py --evaluate`, in a process of its
-    own, so every experiment is evaluated once.
+    The model must map a (rows, MAX_SEQ_LEN) batch of token ids to logits (rows, MAX_SEQ_LEN, vocab): the loss
+    is computed here. Under the autoloop controller (AUTOLOOP_EVAL_ARTIFACT set) the model is only exported there
+    (torch.export) and nan is returned: the number that counts is computed from that graph by `python prepare.py
+    --evaluate`, in a process that never runs train.py's code, so every experiment is evaluated once.
     """
     if os.environ.get("AUTOLOOP_EVAL_ARTIFACT"):
+        t0 = time.time()
         save_eval_artifact(model, batch_size, os.environ["AUTOLOOP_EVAL_ARTIFACT"])
-        print("evaluate_bpb: model saved for the autoloop harness, which measures val_bpb (eval.log)", flush=True)
+        print(f"evaluate_bpb: model exported for the autoloop harness in {time.time() - t0:.1f}s; the harness "
+              "measures val_bpb (eval.log)", flush=True)
         return float("nan")
     return _evaluate_split_bpb(model, tokenizer, batch_size, "val")
 
 
 def save_eval_artifact(model, batch_size, path):
-    """The trained model plus how it was being evaluated (batch size, autocast), written atomically."""
-    device = next(model.parameters()).device.type
-    autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    """Export the trained model for the harness: a graph of ATen operations plus its weights (torch.export), no
+    Python. Its input is a (rows, MAX_SEQ_LEN) batch of token ids, its output the logits (rows, MAX_SEQ_LEN,
+    vocab); the harness computes the loss itself. Written atomically, with how it was evaluated (autocast)."""
+    device = next(model.parameters()).device
+    autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+    rows = eval_rows_per_forward(batch_size, VOCAB_SIZE)
+    example = torch.zeros((rows, MAX_SEQ_LEN), dtype=torch.long, device=device)
+    model.eval()
+    with torch.no_grad(), torch.autocast(device_type=device.type, enabled=False):  # a plain graph; the
+        model(example)  # harness applies the autocast itself. One call first: lazily built caches exist.
+        program = torch.export.export(model, (example,))
     tmp = f"{path}.tmp"
-    torch.save({"model": model, "batch_size": batch_size, "autocast": str(autocast) if autocast else None}, tmp)
+    torch.export.save(program, tmp, extra_files={"autoloop.json": json.dumps(
+        {"autocast": str(autocast) if autocast else None, "batch_size": batch_size})})
     os.replace(tmp, path)
 
 
-_dumps, _open, _write, _close, _exit = json.dumps, os.open, os.write, os.close, os._exit  # taken before any import
+def eval_rows_per_forward(batch_size, vocab_size):
+    """Rows per evaluation forward: batch_size, fewer when the logits would exceed EVAL_LOGITS_BYTES."""
+    return max(1, min(batch_size, EVAL_LOGITS_BYTES // (MAX_SEQ_LEN * vocab_size * 4)))
+
+
+_dumps, _open, _write, _close, _exit = json.dumps, os.open, os.write, os.close, os._exit
 
 
 def _write_result(path, result):
-    fd = _open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    """The result file, created anew (a file or link the run left at that name is replaced, never followed)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    fd = _open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
     try:
         _write(fd, _dumps(result).encode())
     finally:
         _close(fd)
 
 
-# What importing train.py must leave untouched for the controller's evaluation to count.
-HARNESS_NAMES = ("MAX_SEQ_LEN", "VOCAB_SIZE", "EVAL_TOKENS", "HOLDOUT_TOKENS", "EVAL_LOGITS_BYTES", "TIME_BUDGET",
-                 "SEED", "PROFILE", "DATA_DIR", "TOKENIZER_DIR", "evaluate_bpb", "_evaluate_split_bpb", "eval_rows",
-                 "split_tokens", "make_dataloader", "_packed_rows", "_document_batches", "_split_files",
-                 "get_token_bytes", "Tokenizer", "load_manifest")
+# ---------------------------------------------------------------------------
+# The controller's evaluation: an exported graph, loaded without running any of the run's Python
+# ---------------------------------------------------------------------------
+# torch.export.load unpickles parts of the archive and evaluates strings (guards, symbolic shapes) from it: a
+# file the run wrote could run code in the evaluator. So the harness reads the archive itself: JSON and raw
+# weight bytes only, static shapes, no guards, no subgraphs or custom objects, and only the pure, deterministic
+# ATen operations below; then it checks what a graph could still cheat with (causality, batch rows that see each
+# other, state) on the evaluation's own batches.
+
+EVAL_OPS = set("""
+abs add addmm alias all amax amin any arange argmax argmin atan atan2 baddbmm bitwise_and bitwise_not bitwise_or
+bitwise_xor bmm cat ceil chunk clamp clamp_max clamp_min clone constant_pad_nd contiguous cos cosh cumsum detach
+diagonal div elu embedding eq erf exp expand expand_as expm1 flatten flip floor fmod full full_like gather ge gelu
+group_norm gt hardtanh index index_select layer_norm le leaky_relu lerp lift_fresh_copy linear log log1p log2
+log_softmax logical_and logical_not logical_or logsumexp lt masked_fill matmul max maximum mean min minimum mish
+mm mul native_layer_norm ne neg norm linalg_vector_norm ones ones_like outer permute pow prod reciprocal relu
+remainder repeat repeat_interleave reshape rms_norm roll round rsqrt scalar_tensor scaled_dot_product_attention
+scatter scatter_add select sigmoid sign silu sin sinh slice softmax softplus split split_with_sizes sqrt square
+squeeze stack std sub sum t tanh tensor_split tile to topk sort transpose tril triu trunc type_as unbind unflatten
+unsqueeze var view view_as where zeros zeros_like _assert_tensor_metadata _log_softmax _softmax _to_copy
+_unsafe_view __and__ __or__ __xor__ __invert__
+""".split())
+EVAL_MAX_PROBES = 8  # batches re-run with a changed future and shuffled rows (causality, rows kept apart)
+EVAL_PROBE_ATOL = 1e-4  # logits that should not change may differ by this much (kernel noise) before it counts
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_FORBIDDEN_KEYS = {"as_expr", "expr_str", "as_graph", "as_custom_obj", "as_operator", "as_sym_int", "as_sym_ints",
+                   "as_sym_float", "as_sym_floats", "as_sym_bool", "as_sym_bools", "as_complex"}
+_SPEC_TYPES = {None, "builtins.tuple", "builtins.list", "builtins.dict"}
 
 
-def evaluate_artifact(path, split="val", train_file="train.py"):
-    """The controller's measurement: load a model saved by evaluate_bpb and score it with this file's code.
+class ArtifactRefused(Exception):
+    """The saved model is not a plain exported graph the harness can evaluate without running the run's code."""
 
-    train.py is imported (not run) so its classes can be unpickled; if importing it changes anything the
-    evaluation depends on, the result is refused.
-    """
-    import pickle
-    import runpy
-    import types
 
+def _walk(node, path=""):
+    """Every (key path, key, value) of a JSON document."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield path, key, value
+            yield from _walk(value, f"{path}.{key}")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _walk(value, f"{path}[{i}]")
+
+
+def _check_spec(text):
+    """A pytree spec (JSON) of builtin containers only: nothing a loader would build a class for."""
+    try:
+        spec = json.loads(text)
+    except (TypeError, ValueError):
+        raise ArtifactRefused("a malformed input/output specification") from None
+    for _, key, value in _walk(spec):
+        if key == "type" and value not in _SPEC_TYPES:
+            raise ArtifactRefused(f"the model's inputs or outputs are a {value!r}; return one tensor of logits")
+
+
+def _check_program(program):
+    """Refuse what the deserializer would execute or what evaluation cannot allow; strip what it need not read."""
+    if program.get("range_constraints") or program.get("guards_code"):
+        raise ArtifactRefused("the graph has symbolic shapes or guards; export with static shapes")
+    for path, key, value in _walk(program):
+        if key in _FORBIDDEN_KEYS:
+            raise ArtifactRefused(f"the graph holds {key.removeprefix('as_')} values ({path}); only tensors of fixed "
+                                  "shape and plain constants are evaluated")
+        if key == "name" and isinstance(value, str) and not _IDENTIFIER.match(value):
+            raise ArtifactRefused(f"a value with an unusable name ({value[:40]!r})")
+        if key in ("parameter_name", "buffer_name", "tensor_constant_name", "fqn") and isinstance(value, str):
+            if value and not all(_IDENTIFIER.match(p) or p.isdigit() for p in value.split(".")) or "__" in value:
+                raise ArtifactRefused(f"an unusable parameter or module name ({value[:40]!r})")
+    module = program["graph_module"]
+    graph = module["graph"]
+    if any(graph.get(k) for k in ("sym_int_values", "sym_bool_values", "sym_float_values", "custom_obj_values")):
+        raise ArtifactRefused("the graph has symbolic or custom values; export with static shapes")
+    if module.get("treespec_namedtuple_fields"):
+        raise ArtifactRefused("the model returns named tuples; return one tensor of logits")
+    for node in graph["nodes"]:
+        target = str(node.get("target", ""))
+        parts = target.split(".")
+        if len(parts) != 5 or parts[:3] != ["torch", "ops", "aten"] or parts[3] not in EVAL_OPS:
+            raise ArtifactRefused(f"the graph uses {target[:80]!r}, which is not among the ATen operations the "
+                                  "harness evaluates (pure and deterministic; no random, in-place or custom ones)")
+        node["metadata"] = {}  # stack traces and module paths: never read, never turned into code
+    for entry in module["module_call_graph"]:
+        signature = entry.get("signature")
+        if signature:
+            _check_spec(signature.get("in_spec"))
+            _check_spec(signature.get("out_spec"))
+    module["metadata"] = {}
+    if set(program.get("verifiers") or []) - {"TRAINING", "ATEN"}:
+        raise ArtifactRefused(f"an unknown graph dialect {program['verifiers']}")
+
+
+def _read_payload(archive, directory, config_name, kind):
+    """Tensors stored as raw bytes (never pickles), each checked against the shape and dtype it declares."""
+    from torch._export.serde import schema
+    from torch._export.serde.serialize import _dict_to_dataclass, deserialize_scalar_type
+
+    config = _dict_to_dataclass(schema.PayloadConfig, json.loads(archive.read(directory + config_name)))
+    tensors = {}
+    for fqn, meta in config.config.items():
+        if meta.use_pickle or not meta.path_name.startswith(("weight_", "tensor_")) or meta.tensor_meta is None:
+            raise ArtifactRefused(f"{kind} {fqn!r} is not a plain tensor (pickled objects are not loaded)")
+        tm = meta.tensor_meta
+        dtype = deserialize_scalar_type(tm.dtype)
+        sizes = [s.as_int for s in tm.sizes]
+        strides = [s.as_int for s in tm.strides]
+        if any(not isinstance(v, int) for v in [*sizes, *strides, tm.storage_offset.as_int]):
+            raise ArtifactRefused(f"{kind} {fqn!r} has a symbolic shape")
+        data = bytearray(archive.read(directory + meta.path_name))
+        flat = torch.frombuffer(data, dtype=dtype) if data else torch.zeros(0, dtype=dtype)
+        try:
+            tensor = torch.as_strided(flat, sizes, strides, tm.storage_offset.as_int)
+        except RuntimeError as e:
+            raise ArtifactRefused(f"{kind} {fqn!r} does not fit its data ({str(e)[:80]})") from None
+        tensors[fqn] = torch.nn.Parameter(tensor, requires_grad=False) if meta.is_param else tensor
+    return tensors
+
+
+def load_exported(path, device):
+    """(the exported program on `device`, the run's notes) read from a torch.export archive without executing
+    anything from it. ArtifactRefused says why a file is not evaluated."""
+    import zipfile
+
+    from torch._export.serde import schema
+    from torch._export.serde.serialize import ExportedProgramDeserializer, _dict_to_dataclass
+
+    try:
+        archive = zipfile.ZipFile(path)
+    except (OSError, zipfile.BadZipFile) as e:
+        raise ArtifactRefused(f"the saved model is not an exported program ({e}); call prepare.evaluate_bpb, which "
+                              "exports it with torch.export") from None
+    with archive:
+        roots = [name[:-len("models/model.json")] for name in archive.namelist() if name.endswith("models/model.json")]
+        if len(roots) != 1:
+            raise ArtifactRefused("the saved model holds no single exported program")
+        root = roots[0]
+        program = json.loads(archive.read(root + "models/model.json"))
+        _check_program(program)
+        weights = _read_payload(archive, root + "data/weights/", "model_weights_config.json", "weight")
+        constants = _read_payload(archive, root + "data/constants/", "model_constants_config.json", "constant")
+        try:
+            notes = json.loads(archive.read(root + "extra/autoloop.json"))
+        except (KeyError, ValueError):
+            notes = {}
+    user_inputs = [spec for spec in program["graph_module"]["signature"]["input_specs"] if "user_input" in spec]
+    if len(user_inputs) != 1:
+        raise ArtifactRefused(f"the model takes {len(user_inputs)} inputs; it must take one batch of token ids")
+    shape = _input_shape(program, user_inputs[0]["user_input"]["arg"]["as_tensor"]["name"])
+    example = torch.zeros(shape, dtype=torch.long)
+    serialized = _dict_to_dataclass(schema.ExportedProgram, program)
+    try:
+        exported = ExportedProgramDeserializer().deserialize(serialized, weights, constants, ((example,), {}))
+    except Exception as e:  # noqa: BLE001 - a malformed graph is the run's failure, said in one line
+        raise ArtifactRefused(f"the exported graph does not load: {type(e).__name__}: {str(e)[:160]}") from None
+    _check_signature(exported)
+    return exported, notes, shape
+
+
+def _input_shape(program, name):
+    meta = program["graph_module"]["graph"]["tensor_values"].get(name) or {}
+    sizes = [s.get("as_int") for s in meta.get("sizes", [])]
+    if len(sizes) != 2 or sizes[1] != MAX_SEQ_LEN or not isinstance(sizes[0], int) or sizes[0] < 1 \
+            or meta.get("dtype") != 5:  # ScalarType LONG
+        raise ArtifactRefused(f"the model was exported for input {sizes}; it must take (rows, {MAX_SEQ_LEN}) int64 "
+                              "token ids (prepare.evaluate_bpb exports it so)")
+    return tuple(sizes)
+
+
+def _check_signature(exported):
+    """One batch of token ids in, one tensor out; nothing mutated (no buffer that could carry state)."""
+    from torch.export.graph_signature import InputKind, OutputKind
+
+    signature = exported.graph_signature
+    if any(spec.kind not in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR, InputKind.USER_INPUT)
+           for spec in signature.input_specs):
+        raise ArtifactRefused("the graph takes inputs other than its weights and the batch")
+    if [spec.kind for spec in signature.output_specs] != [OutputKind.USER_OUTPUT]:
+        raise ArtifactRefused("the graph must return exactly one tensor (the logits) and mutate nothing: a buffer "
+                              "it updates would carry state from one batch to the next")
+    for node in exported.graph.nodes:
+        if node.op == "call_function":
+            op = node.target
+            attention = isinstance(op, torch._ops.OpOverload) and op.name() == "aten::scaled_dot_product_attention"
+            if not isinstance(op, torch._ops.OpOverload) or op._schema.is_mutable \
+                    or (torch.Tag.nondeterministic_seeded in op.tags and not attention):
+                raise ArtifactRefused(f"the graph uses {op}, which mutates or draws random numbers")
+            if attention and node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0) != 0.0:
+                raise ArtifactRefused("the graph's attention uses dropout (random numbers); evaluate without it")
+        elif node.op not in ("placeholder", "output", "get_attr"):
+            raise ArtifactRefused(f"the graph has a {node.op} node")
+
+
+def _without_dtype_asserts(module):
+    """The module without export's dtype assertions: they pin the dtypes seen at export (fp32), and the harness
+    runs the graph under the run's autocast. They compute nothing."""
+    for node in list(module.graph.nodes):
+        if node.op == "call_function" and node.target == torch.ops.aten._assert_tensor_metadata.default:
+            module.graph.erase_node(node)
+    module.recompile()
+    return module
+
+
+@torch.no_grad()
+def _score(forward, rows, batch_rows, wanted, vocab, token_bytes, device):
+    """(total nats, total bytes, [(batch index, input, logits)] of every batch) of the evaluation rows."""
+    total_nats, total_bytes, counted, seen = 0.0, 0, 0, []
+    for b, start in enumerate(range(0, len(rows), batch_rows)):
+        batch = rows[start:start + batch_rows]
+        real = len(batch)
+        if real < batch_rows:  # the graph has a fixed batch: pad with rows already scored, then ignore them
+            batch = torch.cat([batch, rows[:batch_rows - real]])
+        batch = batch.to(device)
+        x, y = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+        logits = forward(x)
+        if not isinstance(logits, torch.Tensor) or tuple(logits.shape) != (batch_rows, MAX_SEQ_LEN, vocab) \
+                or not logits.is_floating_point():
+            raise ArtifactRefused(f"the model returned {type(logits).__name__} "
+                                  f"{tuple(getattr(logits, 'shape', ()))}; it must return logits of shape "
+                                  f"({batch_rows}, {MAX_SEQ_LEN}, {vocab})")
+        losses = torch.nn.functional.cross_entropy(logits.float().reshape(-1, vocab), y.reshape(-1),
+                                                   reduction="none")
+        take = min(real * MAX_SEQ_LEN, wanted - counted)  # the last row may count only in part
+        nbytes = token_bytes[y.reshape(-1)[:take]]
+        total_nats += (losses[:take] * (nbytes > 0)).sum().item()
+        total_bytes += nbytes.sum().item()
+        counted += take
+        seen.append((b, x, logits))
+    assert counted == wanted, (counted, wanted)
+    return total_nats, total_bytes, seen
+
+
+@torch.no_grad()
+def _probe(forward, seen, generator):
+    """'' if the model is causal, keeps batch rows apart and is stateless on the evaluation's own batches, else
+    what it did: a few batches (chosen at random) run again with their rows shuffled and each row's tokens after a
+    random position replaced by another row's; the logits up to that position must not change. The first batch,
+    run again last, must give the same logits."""
+    picks = torch.randperm(len(seen), generator=generator)[:EVAL_MAX_PROBES].tolist()
+    for b in picks:
+        _, x, logits = seen[b]
+        rows, T = x.shape
+        order = torch.randperm(rows, generator=generator).to(x.device)
+        donor = torch.roll(order, 1) if rows > 1 else order
+        cut = torch.randint(0, T - 1, (rows,), generator=generator).to(x.device)
+        future = torch.arange(T, device=x.device)[None, :] > cut[:, None]
+        probe = torch.where(future, x[donor].flip(1) if rows == 1 else x[donor], x[order])
+        again = forward(probe)
+        scale = 1.0 + logits.float().abs().amax().item()
+        for r in range(rows):
+            c = int(cut[r]) + 1
+            diff = (again[r, :c].float() - logits[order[r], :c].float()).abs().amax().item()
+            if not diff <= EVAL_PROBE_ATOL * scale:
+                return (f"the model's logits at a position changed by {diff:.3g} when later tokens or other rows of "
+                        f"the batch changed: it must be causal and score each row on its own")
+    _, x, logits = seen[0]
+    diff = (forward(x).float() - logits.float()).abs().amax().item()
+    if not diff <= EVAL_PROBE_ATOL * (1.0 + logits.float().abs().amax().item()):
+        return f"the model gave other logits for the same batch later ({diff:.3g}): it must be stateless"
+    return ""
+
+
+def _verified_bytes(manifest, rel):
+    """A prepared file's bytes, if they match the manifest the session pinned (read once: what is checked is
+    what is used)."""
+    data = (MANIFEST_PATH.parent / rel).read_bytes()
+    if hashlib.sha256(data).hexdigest() != manifest["files"].get(rel):
+        raise ArtifactRefused(f"the prepared file {rel} changed since it was prepared; prepare the data again")
+    return data
+
+
+def evaluate_artifact(path, split="val"):
+    """The controller's measurement: bits per byte of an exported model on a split, computed here from its logits
+    (the run's code never runs in this process), after checking it is causal, keeps rows apart and is stateless."""
+    import io
+
+    manifest = load_manifest()
     pinned = os.environ.get("AUTOLOOP_MANIFEST_DIGEST")  # set by the controller: the data its session pinned
-    if pinned and manifest_digest(load_manifest()) != pinned:
+    if pinned and manifest_digest(manifest) != pinned:
         return {"error": "the prepared data's manifest (evaluation sizes, file hashes) changed since the session "
                          "pinned it; an experiment may have rewritten it"}
-    sys.modules["prepare"] = sys.modules[__name__]  # train.py's `from prepare import ...` binds to this module
-    before = {name: globals()[name] for name in HARNESS_NAMES}
-    namespace = runpy.run_path(train_file, run_name="__autoloop_eval__")
-    changed = [name for name in HARNESS_NAMES if globals()[name] is not before[name]]
-    if changed:
-        return {"error": f"importing train.py changed the harness: {', '.join(changed)}"}
-
-    class Unpickler(pickle.Unpickler):
-        def find_class(self, module, name):
-            if module in ("__main__", "__autoloop_eval__"):
-                return namespace[name]
-            return super().find_class(module, name)
-
-    saved = torch.load(path, weights_only=False, pickle_module=types.SimpleNamespace(
-        Unpickler=Unpickler, load=pickle.load, __name__="pickle"))
-    model = saved["model"]
-    model.eval()
-    device = next(model.parameters()).device
-    dtype = getattr(torch, saved["autocast"].removeprefix("torch.")) if saved["autocast"] else None
+    device = torch.device(os.environ.get("AUTOLOOP_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        tokenizer = Tokenizer(pickle.loads(_verified_bytes(manifest, f"{TOKENIZER_DIR.name}/tokenizer.pkl")))
+        token_bytes = torch.load(io.BytesIO(_verified_bytes(manifest, f"{TOKENIZER_DIR.name}/token_bytes.pt")),
+                                 map_location=device, weights_only=True)
+        for rel in manifest["splits"][split]:
+            _verified_bytes(manifest, f"data/{rel}")
+        exported, notes, (batch_rows, _) = load_exported(path, device)
+        vocab = len(token_bytes)
+        if batch_rows > eval_rows_per_forward(batch_rows, vocab):
+            raise ArtifactRefused(f"the model was exported for {batch_rows} rows per forward; at most "
+                                  f"{eval_rows_per_forward(batch_rows, vocab)} fit the evaluation's memory bound")
+        autocast = {"torch.bfloat16": torch.bfloat16, "torch.float16": torch.float16}.get(notes.get("autocast"))
+        module = _without_dtype_asserts(exported.module()).to(device)
+    except ArtifactRefused as e:
+        return {"error": f"the saved model was refused: {e}"}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+
+    def forward(x):
+        with torch.autocast(device_type=device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
+            return module(x)
+
     t0 = time.time()
+    wanted = split_tokens(split)
     try:
-        with torch.autocast(device_type=device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-            value = _evaluate_split_bpb(model, Tokenizer.from_directory(), saved["batch_size"], split)
-    except (RuntimeError, FileNotFoundError) as e:  # e.g. a split that runs dry, a model that fails its forward
+        rows = eval_rows(tokenizer, _split_files(split), -(-wanted // MAX_SEQ_LEN))
+        nats, nbytes, seen = _score(forward, rows, batch_rows, wanted, vocab, token_bytes, device)
+        cheat = _probe(forward, seen, torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little")))
+    except ArtifactRefused as e:
+        return {"error": f"the saved model was refused: {e}"}
+    except (RuntimeError, FileNotFoundError, ValueError, TypeError) as e:  # a forward that fails, a split run dry
         return {"error": f"the evaluation of the {split} split failed: {str(e).splitlines()[0][:300]}"}
+    if cheat:
+        return {"error": f"the saved model was refused: {cheat}"}
+    value = nats / (math.log(2) * nbytes)
     if device.type == "cuda":
         peak_mb = torch.cuda.max_memory_allocated(device) / 2**20
     else:
         import resource
         peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 2**10)
-    return {"val_bpb" if split == "val" else f"{split}_bpb": value, "split": split, "eval_tokens": split_tokens(split),
-            "batch_size": saved["batch_size"], "autocast": saved["autocast"], "seconds": round(time.time() - t0, 3),
+    return {"val_bpb" if split == "val" else f"{split}_bpb": value, "split": split, "eval_tokens": wanted,
+            "batch_size": batch_rows, "autocast": notes.get("autocast"), "seconds": round(time.time() - t0, 3),
+            "probes": min(EVAL_MAX_PROBES, len(seen)) + 1,
             "peak_mb": round(peak_mb, 1), "memory_kind": "vram" if device.type == "cuda" else "rss"}
 
 
@@ -913,8 +1208,9 @@ if __name__ == "__main__":
                                                           "read from the first line of stdin (controller use)")
     args = parser.parse_args()
     if args.evaluate:
-        # The controller's channel: its nonce is read before train.py is imported, and the result is written with
-        # functions taken before that import, to a file, never parsed from output the edited code shares.
+        # The controller's channel: a file holding its nonce (read from stdin), never parsed from output. No code of
+        # the run's executes here: the model is an exported graph (load_exported), and the controller starts this
+        # process with `python -I` from the run's worktree, so nothing the run left there is imported either.
         nonce = sys.stdin.readline().strip() if args.result else ""
         result = evaluate_artifact(args.evaluate, args.split)
         if args.result:

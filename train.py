@@ -589,7 +589,8 @@ def main():
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     model.eval()
-    with autocast:  # evaluate_bpb returns nan under the controller, which evaluates the saved model itself
+    FA3 = None  # the evaluated graph uses scaled_dot_product_attention: FA3 is a custom kernel the harness refuses
+    with autocast:  # evaluate_bpb returns nan under the controller, which evaluates the exported model itself
         val_bpb = evaluate_bpb(model, tokenizer, FINAL_EVAL_BATCH_SIZE)
     eval_memory_mb, _ = peak_memory_mb(device)  # on CPU the process's overall peak (rss never goes down)
     counted_steps = max(step - startup_steps, 1)

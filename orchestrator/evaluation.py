@@ -1,7 +1,8 @@
 """After a run: the harness's own measurement of the saved model, and an audit of the run's clock.
 
-The number that goes into results.tsv is computed by prepare.py's evaluate_bpb in a separate process from the
-model train.py saved through evaluate_bpb (AUTOLOOP_EVAL_ARTIFACT), not parsed from what train.py printed.
+The number that goes into results.tsv is computed by `prepare.py --evaluate` in a process of its own, from the
+graph train.py exported through evaluate_bpb (AUTOLOOP_EVAL_ARTIFACT), never from what train.py printed; that
+process never runs train.py's Python (prepare.load_exported) and writes its result to a file with a nonce.
 """
 
 from __future__ import annotations
@@ -15,6 +16,13 @@ EVAL_TOLERANCE = 0.005  # relative: train.py's own number and the harness's may 
 
 
 RESULT = "eval.json"  # where `prepare.py --evaluate --result` writes, in the run's directory
+
+
+def evaluator_flags(info) -> list[str]:
+    """`python -I` for a harness that evaluates an exported graph: the evaluator starts in the run's worktree, and
+    isolated mode keeps what the run may have left there (a `json.py`, a `torch/`) and PYTHON* variables off its
+    import path. An older harness imports train.py to evaluate, which needs the worktree on the path."""
+    return ["-I"] if info.exported else []
 
 
 def read_result(path: Path, nonce: str, exit_code: int | None, split: str = "val") -> tuple[float | None, dict, str]:
@@ -65,11 +73,16 @@ def read_evaluation(output: str, split: str = "val", failed: str = "no output") 
 
 CLOCK_SLACK = 0.05  # share of the budget a run may train beyond it (one slow last step), by the controller's clock
 STARTUP_SLACK = 0.35  # share of the baseline's start-up a run may take beyond it (a bigger model compiles longer)
+STARTUP_SLACK_CAP = 0.25  # ... but never more than this share of the budget: at small budgets the start-up is
+#                           long next to the budget, and a slack in proportion to it hid a run training 1.67x
+MIN_SLACK_S = 1.5  # seconds of start-up jitter always allowed (process start, imports on a loaded machine)
 
 
 def clock_limit(budget: float, learned: float) -> float:
-    """The longest train.py step that kept to the budget, given the start-up its session's baseline needed."""
-    return learned + budget * (1 + CLOCK_SLACK) + max(1.0, STARTUP_SLACK * learned)
+    """The longest train.py step that kept to the budget, given the start-up its session's baseline needed: the
+    baseline's start-up, the budget plus 5%, and a bounded slack for a slower start-up."""
+    slack = max(MIN_SLACK_S, min(STARTUP_SLACK * learned, STARTUP_SLACK_CAP * budget))
+    return learned + budget * (1 + CLOCK_SLACK) + slack
 
 
 def audit_clock(metrics: dict, budget: float, seconds_to_artifact: float | None, startup_s: float = 60.0,

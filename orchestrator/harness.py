@@ -23,7 +23,8 @@ if os.path.exists("prepare.py"):
                 time_budget=getattr(prepare, "TIME_BUDGET", None), artifacts=hasattr(prepare, "save_eval_artifact"),
                 dataset=getattr(prepare, "DATASET", None), smoke_warning=getattr(prepare, "SMOKE_TEST_WARNING", None),
                 vocab=getattr(prepare, "VOCAB_SIZE", None),
-                cache=str(getattr(prepare, "CACHE_DIR", "") or ""), result_file=hasattr(prepare, "_write_result"))
+                cache=str(getattr(prepare, "CACHE_DIR", "") or ""), result_file=hasattr(prepare, "_write_result"),
+                exported=hasattr(prepare, "load_exported"))
 if "torch" in sys.argv[1:] or "torch" in sys.modules:  # torch's view of CUDA (free when prepare imported it)
     try:
         import torch
@@ -48,6 +49,7 @@ class HarnessInfo:
     cache: str = ""  # where prepare.py keeps its data (CACHE_DIR), as resolved with the controller's HOME
     result_file: bool = False  # `prepare.py --evaluate --result FILE` (older ones print the result instead)
     vocab: int | None = None  # the tokenizer's vocabulary (VOCAB_SIZE), for size estimates
+    exported: bool = False  # the evaluation scores an exported graph and never runs train.py's code (protected)
 
 
 def sha256_file(path: Path) -> str:
@@ -87,7 +89,7 @@ def query(workdir: Path, env: dict[str, str], torch: bool = False) -> HarnessInf
     return HarnessInfo(Path(data["manifest"]) if data.get("manifest") else None, data.get("profile"),
                        data.get("time_budget"), bool(data.get("artifacts")), data.get("torch"), data.get("dataset"),
                        data.get("smoke_warning"), data.get("cache") or "", bool(data.get("result_file")),
-                       data.get("vocab") if isinstance(data.get("vocab"), int) else None)
+                       data.get("vocab") if isinstance(data.get("vocab"), int) else None, bool(data.get("exported")))
 
 
 def manifest_digest(manifest_path: Path) -> str:

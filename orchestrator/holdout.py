@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from .evaluation import RESULT, holdout_text, read_evaluation, read_result
+from .evaluation import RESULT, evaluator_flags, holdout_text, read_evaluation, read_result
 from .summary import read_tail
 from .executors import OUT, PYTHON, Executor, Job
 from .ledger import write_json_atomic
@@ -60,7 +60,7 @@ def evaluate(ws, executor: Executor, commit: str, artifact: Path, out: Path) -> 
         return None, f"cannot check out {commit[:7]}: {str(e).strip().splitlines()[-1][:200]}"
     nonce = secrets.token_hex(16)
     channel = ["--result", f"{OUT}/{RESULT}"] if ws.info.result_file else []
-    job = Job(steps=[[PYTHON, "prepare.py", "--evaluate", f"{OUT}/model.pt", "--split", "holdout", *channel]],
+    job = Job(steps=[[PYTHON, *evaluator_flags(ws.info), "prepare.py", "--evaluate", f"{OUT}/model.pt", "--split", "holdout", *channel]],
               logs=["eval.log"], env={k: v for k, v in ws.env.items() if k != "AUTOLOOP_EVAL_ARTIFACT"},
               timeout_s=ws.settings.hard_timeout, workdir=ws.paths.proposal, out_dir=out,
               inputs={"model.pt": artifact}, step_stdin=[nonce + "\n"], sandbox=ws.sandbox)

@@ -17,7 +17,7 @@ import git
 import psutil
 
 from . import LoopError, gitops
-from .evaluation import RESULT, audit_clock, compare_printed, read_evaluation, read_result
+from .evaluation import RESULT, audit_clock, compare_printed, evaluator_flags, read_evaluation, read_result
 from .executors import OUT, PYTHON, Executor, Handle, Job, JobResult, Slot, wait_any
 from .guard import new_violations
 from .ledger import Record
@@ -87,9 +87,11 @@ def stage(ws, wt: git.Repo, record: Record, prepared) -> Crash | None:
     return crash
 
 
-# A run's HOME and TMPDIR are its own (deleted after it); compiled kernels are shared by the session's runs.
-SCRATCH = {"HOME": f"{OUT}/home", "TMPDIR": f"{OUT}/tmp", "TORCHINDUCTOR_CACHE_DIR": f"{OUT}/../../cache/inductor",
-           "TRITON_CACHE_DIR": f"{OUT}/../../cache/triton", "XDG_CACHE_HOME": f"{OUT}/../../cache/xdg"}
+# A run's HOME, TMPDIR and kernel caches are its own (deleted after it): a cache shared by the session's runs
+# would be a channel between them (weights saved there by one run were loaded by later ones). Compilation is
+# start-up, which the clock audit does not count against the budget.
+SCRATCH = {"HOME": f"{OUT}/home", "TMPDIR": f"{OUT}/tmp", "TORCHINDUCTOR_CACHE_DIR": f"{OUT}/tmp/inductor",
+           "TRITON_CACHE_DIR": f"{OUT}/tmp/triton", "XDG_CACHE_HOME": f"{OUT}/tmp/xdg"}
 
 
 def build_job(ws, workdir: Path, run_dir: Path) -> Job:
@@ -108,8 +110,8 @@ def build_job(ws, workdir: Path, run_dir: Path) -> Job:
     stdin: list[str | None] = [None]
     if ws.info.artifacts:
         env["AUTOLOOP_EVAL_ARTIFACT"] = f"{OUT}/model.pt"
-        steps.append([PYTHON, "prepare.py", "--evaluate", f"{OUT}/model.pt", "--split", "val",
-                      *(["--result", f"{OUT}/{RESULT}"] if ws.info.result_file else [])])
+        steps.append([PYTHON, *evaluator_flags(ws.info), "prepare.py", "--evaluate", f"{OUT}/model.pt", "--split",
+                      "val", *(["--result", f"{OUT}/{RESULT}"] if ws.info.result_file else [])])
         logs.append("eval.log")
         step_env.append({"AUTOLOOP_EVAL_ARTIFACT": None})
         stdin.append(secrets.token_hex(16) + "\n")  # the result counts only with this run's nonce

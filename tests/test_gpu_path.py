@@ -86,7 +86,7 @@ def test_gpu_profile_path_end_to_end_on_cpu(tmp_path):
         assert metrics["eval_tokens"] == constants["EVAL_TOKENS"]  # the harness scored the whole evaluation
         assert record["val_bpb"] == metrics["harness_val_bpb"] > 0
         log = (runs / str(n) / "run.log").read_text()
-        assert "model saved for the autoloop harness" in log  # train.py did not evaluate a second time
+        assert "model exported for the autoloop harness" in log  # train.py did not evaluate a second time
         assert "eval_vram_mb" not in log
 
     holdout = json.loads((repo / ".autoloop" / "gpu" / "holdout.json").read_text())

@@ -46,7 +46,7 @@ RUNTIME = [  # caught by the harness's own evaluation and the clock audit
     ("skips evaluate_bpb", edited("val_bpb = evaluate_bpb(model, tokenizer, FINAL_EVAL_BATCH_SIZE)", "val_bpb = 0.5"),
      "did not call prepare.evaluate_bpb"),
     ("sneaky smaller eval", after_imports('import sys as _s\nsetattr(_s.modules["prepare"], "EVAL_" + "TOKENS", 64)'),
-     "changed the harness: EVAL_TOKENS"),
+     None),  # the evaluation runs in a process that never imports train.py: an honest row
     ("slow clock", edited("training_time += dt", "training_time += dt * 0.02"), "budget exceeded"),
 ]
 
@@ -78,7 +78,10 @@ def test_tampering_edits_are_crashes_and_honest_edits_pass(tiny_env, tmp_path, m
     rows = read_rows(repo / "results.tsv")
     assert rows[0].status == "keep" and rows[0].description == "baseline"
     for row, (name, _, expected) in zip(rows[1:], steps):
-        assert row.status == "crash" and expected in row.description, (name, row.description)
+        if expected is None:
+            assert row.status in ("keep", "discard"), (name, row.description)
+        else:
+            assert row.status == "crash" and expected in row.description, (name, row.description)
     assert rows[-1].description.startswith("honest") and rows[-1].status in ("keep", "discard")
     # the number in results.tsv is the harness's own measurement; train.py did not evaluate (one evaluation)
     record = read_record(Paths(repo, "trust").run_dir(1))

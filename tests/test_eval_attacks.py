@@ -1,0 +1,212 @@
+"""The adversary suite for the metric: edits of train.py that try to forge the evaluated number, each planted as an
+ordinary idea and run through the real loop with the real prepare.py (tiny profile, CPU, a small bigram model so
+a run takes seconds). Each must end as a crash whose reason says what was refused, or as an honest value; and
+no code of the run's may execute in the evaluator (a marker file it would write never appears).
+
+The evaluation scores an exported graph (torch.export) in a process started with `python -I` that never imports
+train.py; prepare.load_exported reads the archive itself (JSON and raw tensor bytes: never a pickle, a guard or a
+symbolic expression), allows only pure ATen operations, and probes causality, row independence and state on the
+evaluation's own batches.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import fakes
+from conftest import ROOT, make_repo
+from orchestrator.ledger import read_rows
+from orchestrator.loop import Settings, run_loop
+
+HONEST = '''"""a bigram model: train.py for the adversary suite"""
+import time
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from prepare import MAX_SEQ_LEN, Tokenizer, evaluate_bpb, make_dataloader
+
+LR = 0.05  # [0.001, 1.0]
+STEPS = 40  # [fixed]
+
+
+class Bigram(nn.Module):
+    def __init__(self, vocab):
+        super().__init__()
+        self.vocab = vocab
+        self.emb = nn.Embedding(vocab, vocab)
+
+    def forward(self, idx):
+        logits = self.emb(idx)
+        return logits
+
+
+torch.manual_seed(0)
+tokenizer = Tokenizer.from_directory()
+model = Bigram(tokenizer.get_vocab_size())
+opt = torch.optim.Adam(model.parameters(), lr=LR)
+loader = make_dataloader(tokenizer, 16, MAX_SEQ_LEN, "train", device="cpu")
+t0 = time.time()
+for steps in range(1, STEPS + 1):  # a fixed number of steps, well within the budget: equal models score equal
+    x, y, _ = next(loader)
+    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+training_seconds = time.time() - t0
+val_bpb = evaluate_bpb(model, tokenizer, 16)
+# (after evaluate_bpb)
+print("---")
+print(f"val_bpb:          {val_bpb:.6f}")
+print(f"training_seconds: {training_seconds:.1f}")
+print(f"num_steps:        {steps}")
+'''
+
+
+def forward_returns(expression: str, init: str = "") -> str:
+    """HONEST with the model's forward returning `expression` (of `logits` and `idx`)."""
+    source = HONEST.replace("        return logits\n", f"        return {expression}\n")
+    return source.replace("        self.emb = nn.Embedding(vocab, vocab)\n",
+                          "        self.emb = nn.Embedding(vocab, vocab)\n" + init)
+
+
+def after_export(code: str) -> str:
+    """HONEST, then `code` run on the exported archive (path in `artifact`) before the run ends."""
+    prelude = "import os as _os, json as _json, zipfile as _zip\nartifact = _os.environ['AUTOLOOP_' + 'EVAL_ARTIFACT']\n"
+    return HONEST.replace("# (after evaluate_bpb)\n", prelude + code + "\n")
+
+
+REWRITE = '''
+def rewrite(edit):
+    with _zip.ZipFile(artifact) as z:
+        files = {name: z.read(name) for name in z.namelist()}
+    edit(files)
+    with _zip.ZipFile(artifact, "w") as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+
+
+def program(files):
+    name = next(n for n in files if n.endswith("models/model.json"))
+    return name, _json.loads(files[name])
+'''
+
+
+def attacks(marker: str) -> list[tuple[str, str, str | None]]:
+    """(description, train.py, what the crash says — None: an honest row)."""
+    write_marker = f"open({marker!r}, 'w').write('ran')"
+    code_expr = f"__import__('builtins').exec({write_marker!r})"  # sympify evaluates such a string
+    return [
+        ("peeks at the next token", forward_returns(
+            "logits + 30 * F.embedding(torch.roll(idx, -1, 1), self.eye)",
+            "        self.register_buffer('eye', torch.eye(vocab), persistent=False)\n"), "must be causal"),
+        ("rows see each other", forward_returns("logits + logits.mean(0, keepdim=True)"), "score each row on its own"),
+        ("carries state", forward_returns(
+            "logits - self.calls.add_(1)",
+            "        self.register_buffer('calls', torch.zeros(()))\n"), "in-place"),
+        ("patches math.log, walks to the evaluator's frames, writes the result file", after_export(f'''
+import math, sys
+math.log = lambda x: 10.0
+frame = sys._getframe()
+while frame is not None:
+    frame.f_globals.get("_write_result") and frame.f_globals.update(_write_result=None)
+    frame = frame.f_back
+with open(_os.path.join(_os.path.dirname(artifact), "eval.json"), "w") as f:
+    f.write(_json.dumps({{"val_bpb": 0.1, "nonce": "0" * 32}}))
+for name in ("json.py", "math.py", "torch.py", "sitecustomize.py"):  # shadows for the evaluator's imports
+    open(name, "w").write({write_marker!r})
+'''), None),
+        ("archive: code in guards", after_export(REWRITE + f'''
+def edit(files):
+    name, p = program(files)
+    p["guards_code"] = [{write_marker!r}]
+    files[name] = _json.dumps(p).encode()
+rewrite(edit)
+'''), "symbolic shapes or guards"),
+        ("archive: a pickled weight", after_export(REWRITE + f'''
+import pickle
+class Payload:
+    def __reduce__(self):
+        return (exec, ({write_marker!r},))
+def edit(files):
+    config = next(n for n in files if n.endswith("model_weights_config.json"))
+    c = _json.loads(files[config])
+    for meta in c["config"].values():
+        meta["use_pickle"] = True
+        files[config.rsplit("/", 1)[0] + "/" + meta["path_name"]] = pickle.dumps(Payload())
+    files[config] = _json.dumps(c).encode()
+rewrite(edit)
+'''), "pickled objects are not loaded"),
+        ("archive: a symbolic size that is code", after_export(REWRITE + f'''
+def edit(files):
+    name, p = program(files)
+    values = p["graph_module"]["graph"]["tensor_values"]
+    first = next(iter(values.values()))
+    first["sizes"][0] = {{"as_expr": {{"expr_str": {code_expr!r}, "hint": None}}}}
+    files[name] = _json.dumps(p).encode()
+rewrite(edit)
+'''), "holds expr values"),
+        ("archive: a random operation", after_export(REWRITE + '''
+def edit(files):
+    name, p = program(files)
+    p["graph_module"]["graph"]["nodes"][0]["target"] = "torch.ops.aten.bernoulli.default"
+    files[name] = _json.dumps(p).encode()
+rewrite(edit)
+'''), "not among the ATen operations"),
+    ]
+
+
+@pytest.mark.timeout(600)
+def test_forged_evaluations_are_refused_or_honest(tiny_env, tmp_path, monkeypatch):
+    for key in ("AUTOLOOP_CACHE", "AUTOLOOP_PROFILE", "AUTOLOOP_DEVICE"):
+        monkeypatch.setenv(key, tiny_env[key])
+    repo = tmp_path / "proj"
+    make_repo(repo, {"prepare.py": (ROOT / "prepare.py").read_text(), "train.py": HONEST,
+                     ".gitignore": (ROOT / ".gitignore").read_text()})
+    marker = tmp_path / "evaluator-ran-the-runs-code"
+    steps = attacks(str(marker))
+    plan = [{"description": name, "train": source} for name, source, _ in steps]
+    monkeypatch.setenv("AUTOLOOP_TEST_PLAN", str(fakes.write_plan(tmp_path / "plan.json", plan)))
+    run_loop(Settings(repo=repo, tag="forge", budget=5.0, proposer="fakes:Scripted", baseline_repeats=0,
+                      startup_allowance=30.0, max_crashes=len(steps) + 1), echo=lambda line: None)
+    rows = read_rows(repo / "results.tsv")
+    assert rows[0].status == "keep" and rows[0].description == "baseline", rows[0]
+    baseline = rows[0].val_bpb
+    assert len(rows) == len(steps) + 1, [r.description for r in rows]
+    for row, (name, _, expected) in zip(rows[1:], steps):
+        if expected is None:  # honest: the unchanged model's value (same seed, same steps), not a forged one
+            assert row.status in ("keep", "discard") and abs(row.val_bpb - baseline) < 1e-3, (name, row, baseline)
+        else:
+            assert row.status == "crash" and expected in row.description, (name, row.description)
+    assert not marker.exists(), "the evaluator executed code the run wrote"
+
+
+def _export_and_evaluate(env: dict, tmp_path) -> dict:
+    """The real train.py exports its model as it does under the controller; `python -I prepare.py --evaluate` scores
+    the graph (the controller's evaluation step), in a directory holding only the two files."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    for name in ("train.py", "prepare.py"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    env = dict(env, AUTOLOOP_TIME_BUDGET="3", AUTOLOOP_EVAL_ARTIFACT=str(tmp_path / "model.pt"))
+    train = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=600)
+    assert train.returncode == 0, train.stdout[-2000:] + train.stderr[-2000:]
+    assert "model exported for the autoloop harness" in train.stdout
+    env.pop("AUTOLOOP_EVAL_ARTIFACT")
+    proc = subprocess.run([sys.executable, "-I", "prepare.py", "--evaluate", "model.pt"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("AUTOLOOP_EVAL "))
+    return json.loads(line.split(" ", 1)[1])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not __import__("torch").cuda.is_available(), reason="needs CUDA")])])
+def test_the_real_model_passes_the_evaluations_checks(tiny_env, tmp_path, device):
+    """train.py's GPT (with bf16 autocast where the device has it, and on Hopper FlashAttention-3 in training)
+    exports to a graph the harness accepts: allowed operations, causal, rows apart, stateless within tolerance."""
+    result = _export_and_evaluate(dict(tiny_env, AUTOLOOP_DEVICE=device), tmp_path)
+    assert "error" not in result, result
+    assert 0 < result["val_bpb"] < 20 and result["probes"] >= 2 and result["eval_tokens"] > 0
