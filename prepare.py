@@ -877,7 +877,9 @@ squeeze stack std sub sum t tanh tensor_split tile to topk sort transpose tril t
 unsqueeze var view view_as where zeros zeros_like _assert_tensor_metadata _log_softmax _softmax _to_copy
 _unsafe_view __and__ __or__ __xor__ __invert__
 """.split())
-EVAL_MAX_PROBES = 8  # batches re-run with a changed future and shuffled rows (causality, rows kept apart)
+EVAL_MAX_PROBES = 8  # batches re-run with a changed future and shuffled rows (causality, rows kept apart):
+EVAL_PROBE_SHARE = 8  # one in this many of the evaluation's batches, at least EVAL_MIN_PROBES, at most the max
+EVAL_MIN_PROBES = 3
 EVAL_PROBE_ATOL = 1e-4  # logits that should not change may differ by this much (kernel noise) before it counts
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _FORBIDDEN_KEYS = {"as_expr", "expr_str", "as_graph", "as_custom_obj", "as_operator", "as_sym_int", "as_sym_ints",
@@ -1092,7 +1094,8 @@ def _probe(forward, seen, generator):
     what it did: a few batches (chosen at random) run again with their rows shuffled and each row's tokens after a
     random position replaced by another row's; the logits up to that position must not change. The first batch,
     run again last, must give the same logits."""
-    picks = torch.randperm(len(seen), generator=generator)[:EVAL_MAX_PROBES].tolist()
+    probes = min(EVAL_MAX_PROBES, max(EVAL_MIN_PROBES, -(-len(seen) // EVAL_PROBE_SHARE)))
+    picks = torch.randperm(len(seen), generator=generator)[:probes].tolist()
     for b in picks:
         _, x, logits = seen[b]
         rows, T = x.shape
@@ -1178,7 +1181,7 @@ def evaluate_artifact(path, split="val"):
         peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 2**10)
     return {"val_bpb" if split == "val" else f"{split}_bpb": value, "split": split, "eval_tokens": wanted,
             "batch_size": batch_rows, "autocast": notes.get("autocast"), "seconds": round(time.time() - t0, 3),
-            "probes": min(EVAL_MAX_PROBES, len(seen)) + 1,
+            "probes": min(len(seen), EVAL_MAX_PROBES, max(EVAL_MIN_PROBES, -(-len(seen) // EVAL_PROBE_SHARE))) + 1,
             "peak_mb": round(peak_mb, 1), "memory_kind": "vram" if device.type == "cuda" else "rss"}
 
 

@@ -6,6 +6,7 @@ What counts is the harness's measurement of the saved model, never the number tr
 
 from __future__ import annotations
 
+import json
 import secrets
 import site
 import statistics
@@ -118,7 +119,17 @@ def build_job(ws, workdir: Path, run_dir: Path) -> Job:
     watch = tuple(name for name in gitops.Repo(workdir).git.ls_files("-z").split("\0") if name)
     return Job(steps=steps, logs=logs, env=env, timeout_s=ws.settings.hard_timeout, workdir=workdir,
                out_dir=run_dir, watch=watch, step_env=step_env, log_cap=int(ws.settings.max_log_mb * (1 << 20)),
-               step_stdin=stdin, sandbox=ws.sandbox, local_only=local_only)
+               step_stdin=stdin, sandbox=ws.sandbox, local_only=local_only,
+               step_hidden=[evaluation_data(ws.info.manifest)])  # training never reads what it is scored on
+
+
+def evaluation_data(manifest: Path | None) -> tuple[str, ...]:
+    """The validation and held-out files of the prepared data (the sandbox hides them from the training step)."""
+    try:
+        splits = json.loads(manifest.read_text())["splits"]
+        return tuple(str(manifest.parent / "data" / rel) for key in ("val", "holdout") for rel in splits[key])
+    except (AttributeError, OSError, ValueError, KeyError, TypeError):
+        return ()  # a harness without a manifest (upstream's): nothing known to hide
 
 
 def submit(ws, executor: Executor, job: Job, slot: Slot, record: Record) -> Handle:

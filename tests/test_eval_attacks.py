@@ -210,3 +210,34 @@ def test_the_real_model_passes_the_evaluations_checks(tiny_env, tmp_path, device
     result = _export_and_evaluate(dict(tiny_env, AUTOLOOP_DEVICE=device), tmp_path)
     assert "error" not in result, result
     assert 0 < result["val_bpb"] < 20 and result["probes"] >= 2 and result["eval_tokens"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_the_training_step_cannot_read_what_it_is_scored_on(tiny_env, tmp_path, monkeypatch):
+    """In the sandbox the validation and held-out files read as empty to train.py (only the evaluation gets them);
+    the evaluation still scores them."""
+    from orchestrator import confine
+
+    monkeypatch.delitem(confine._PROBE, "result", raising=False)  # the suite's default: unconfined
+    if problem := confine.sandbox_problem():
+        pytest.skip(f"no sandbox here: {problem}")
+    for key in ("AUTOLOOP_CACHE", "AUTOLOOP_PROFILE", "AUTOLOOP_DEVICE"):
+        monkeypatch.setenv(key, tiny_env[key])
+    peek = HONEST.replace("torch.manual_seed(0)\n", '''torch.manual_seed(0)
+import prepare as _p
+for _split in ("v" + "al", "hold" + "out"):
+    _size = sum(len(open(f, "rb").read()) for f in getattr(_p, "_split_" + "files")(_split))
+    print(f"peek {_split}: {_size} bytes", flush=True)
+''')
+    repo = tmp_path / "proj"
+    make_repo(repo, {"prepare.py": (ROOT / "prepare.py").read_text(), "train.py": HONEST,
+                     ".gitignore": (ROOT / ".gitignore").read_text()})
+    monkeypatch.setenv("AUTOLOOP_TEST_PLAN", str(fakes.write_plan(tmp_path / "plan.json", [
+        {"description": "reads the validation data", "train": peek}])))
+    run_loop(Settings(repo=repo, tag="peek", budget=5.0, proposer="fakes:Scripted", baseline_repeats=0,
+                      startup_allowance=30.0, sandbox="on"), echo=lambda line: None)
+    rows = read_rows(repo / "results.tsv")
+    assert [r.status for r in rows][:1] == ["keep"] and len(rows) == 2, rows
+    log = (repo / ".autoloop" / "peek" / "runs" / "2" / "run.log").read_text()
+    assert "peek val: 0 bytes" in log and "peek holdout: 0 bytes" in log, log[-2000:]
+    assert rows[1].status in ("keep", "discard") and rows[1].val_bpb > 0, rows[1]
