@@ -241,3 +241,32 @@ for _split in ("v" + "al", "hold" + "out"):
     log = (repo / ".autoloop" / "peek" / "runs" / "2" / "run.log").read_text()
     assert "peek val: 0 bytes" in log and "peek holdout: 0 bytes" in log, log[-2000:]
     assert rows[1].status in ("keep", "discard") and rows[1].val_bpb > 0, rows[1]
+
+
+CLOCKED = HONEST.replace("STEPS = 40  # [fixed]\n", "STARTUP = 8.0  # seconds of set-up, as a compiling model needs  [fixed]\n").replace(
+    "for steps in range(1, STEPS + 1):  # a fixed number of steps, well within the budget: equal models score equal\n",
+    "time.sleep(STARTUP)\nt0, steps = time.time(), 0\nwhile time.time() - t0 < TIME_BUDGET:\n    steps += 1\n").replace(
+    "from prepare import MAX_SEQ_LEN,", "from prepare import MAX_SEQ_LEN, TIME_BUDGET,")
+
+
+@pytest.mark.timeout(300)
+def test_a_slowed_clock_is_refused_at_a_small_budget(tiny_env, tmp_path, monkeypatch):
+    """A train.py whose clock runs at 0.6x trains 1.67x the budget and reports the budget. With a start-up long
+    next to the budget (8 s here for a 5 s budget, as compilation is on a GPU), a slack in proportion to the
+    start-up let it through; the slack is capped at a quarter of the budget. An honest edit still passes."""
+    for key in ("AUTOLOOP_CACHE", "AUTOLOOP_PROFILE", "AUTOLOOP_DEVICE"):
+        monkeypatch.setenv(key, tiny_env[key])
+    slow = CLOCKED.replace("import time\n", "import time\n_now, _t0 = time.time, time.time()\n"
+                           "time.time = lambda: _t0 + 0.6 * (_now() - _t0)\n", 1)
+    repo = tmp_path / "proj"
+    make_repo(repo, {"prepare.py": (ROOT / "prepare.py").read_text(), "train.py": CLOCKED,
+                     ".gitignore": (ROOT / ".gitignore").read_text()})
+    monkeypatch.setenv("AUTOLOOP_TEST_PLAN", str(fakes.write_plan(tmp_path / "plan.json", [
+        {"description": "slow clock", "train": slow},
+        {"description": "honest", "train": CLOCKED.replace("LR = 0.05", "LR = 0.06")}])))
+    run_loop(Settings(repo=repo, tag="clock", budget=5.0, proposer="fakes:Scripted", baseline_repeats=0,
+                      startup_allowance=30.0), echo=lambda line: None)
+    rows = read_rows(repo / "results.tsv")
+    assert [r.status for r in rows][0] == "keep" and len(rows) == 3, rows
+    assert rows[1].status == "crash" and "budget exceeded" in rows[1].description, rows[1]
+    assert rows[2].status in ("keep", "discard"), rows[2]
