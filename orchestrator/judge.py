@@ -14,6 +14,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
+from . import redaction
 from .ledger import Record, Row
 from .noise import Gate, Verdict, judge
 from .state import Decision, State, Status, counts, group_of
@@ -181,17 +182,18 @@ def gate_fields(verdict: Verdict, candidate: list[float], parent: list[float]) -
 
 
 def row_of(record: Record) -> Row:
-    """The record's row in results.tsv."""
+    """The record's row in results.tsv (no secret of ours in it, in any encoding: redaction.redact)."""
     crashed = record.status == Status.CRASH
     bpb, description = row_text(record)
     return Row(record.commit, bpb, 0.0 if crashed else float(record.metrics.get("peak_vram_mb", 0.0)) / 1024,
-               0.0 if crashed else float(record.metrics.get("mfu_percent", 0.0)), str(record.status), description)
+               0.0 if crashed else float(record.metrics.get("mfu_percent", 0.0)), str(record.status),
+               redaction.redact(description))
 
 
 def row_text(record: Record) -> tuple[float, str]:
     """The row's val_bpb and description: a decided candidate shows its mean, its runs and the margin used."""
-    if record.status == Status.CRASH:
-        return 0.0, f"{record.description} [crash: {record.reason}]"
+    if record.status == Status.CRASH:  # the reason is the run's own words: cleaned (redaction.clean)
+        return 0.0, f"{record.description} [crash: {redaction.clean(record.reason)}]"
     g = record.gate
     if g.get("note"):  # several at once: selection, confirmation
         value = g.get("mean", record.val_bpb) if record.status == Status.KEEP else record.val_bpb

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from .confine import redact
+from . import redaction
 from .ledger import Record
 from .session import Paths
 from .summary import read_tail
@@ -21,7 +21,11 @@ PROMPT_OPTIONS = (
                  help="Upper bound on the prompt's size in characters.  [default: 48000]"),
 )
 FALLBACK_BRIEF = ("Lower val_bpb within the fixed training budget by editing only train.py: one idea per "
-                  "experiment, no new packages, simpler is better when results tie.")
+                  "experiment, no new packages, simpler is better when results tie. The model is exported "
+                  "(torch.export) and scored by the harness: forward(idx) takes a (rows, MAX_SEQ_LEN) batch of "
+                  "token ids and returns logits (rows, MAX_SEQ_LEN, vocab); plain PyTorch operations only in "
+                  "evaluation (no custom kernels, no dropout, nothing in-place on buffers); causal, each row on its "
+                  "own, no state between batches.")
 LOG_TAIL_LINES = 40
 
 
@@ -38,7 +42,7 @@ def read_program(repo: Path, path: str | None = None) -> str:
 
 def _row(r: Record) -> str:
     bpb = f"{r.val_bpb:.6f}" if r.val_bpb is not None else "-"
-    text = r.description + (f" [{r.reason}]" if r.reason else "")
+    text = r.description + (f" [{redaction.clean(r.reason)}]" if r.reason else "")  # a record of an older version
     return f"#{r.n:<4} {r.status:8} {bpb:>9}  {text[:160]}"
 
 
@@ -56,17 +60,19 @@ def history_lines(history: list[Record], max_rows: int) -> list[str]:
 
 
 def crash_tail(history: list[Record], paths: Paths) -> str:
-    """The last lines of the latest experiment's log when it crashed after starting to train."""
+    """The last lines of the latest experiment's log when it crashed after starting to train: the run's own
+    words, so without secrets or long random tokens (redaction.clean), cleaned before they are cut."""
     finished = [r for r in history if r.status in ("keep", "discard", "crash")]
     if not finished or finished[-1].status != "crash":
         return ""
     last = finished[-1]
+    reason = redaction.clean(last.reason)
     log = paths.run_dir(last.n) / "run.log"
     if not log.exists():
-        return f"Experiment #{last.n} ({last.description}) crashed before training: {last.reason}"
+        return f"Experiment #{last.n} ({last.description}) crashed before training: {reason}"
     lines = read_tail(log, 64 * 1024).replace("\r", "\n").splitlines()
-    tail = "\n".join(lines[-LOG_TAIL_LINES:])[-4000:]
-    return f"Experiment #{last.n} ({last.description}) crashed: {last.reason}\nEnd of its log:\n{tail}"
+    tail = redaction.clean("\n".join(lines[-LOG_TAIL_LINES:]))[-4000:]
+    return f"Experiment #{last.n} ({last.description}) crashed: {reason}\nEnd of its log:\n{tail}"
 
 
 def build_prompt(program: str, train_source: str, history: list[Record], paths: Paths, task: str,
@@ -98,4 +104,4 @@ def build_prompt(program: str, train_source: str, history: list[Record], paths: 
     if len(prompt) > max_chars:  # the brief gives way last; train.py itself is never cut
         spare = max(0, len(program) - (len(prompt) - max_chars) - 20)
         prompt = assemble(program[:spare] + "\n[... brief truncated]", rows)
-    return redact(prompt)  # a log tail or a brief may hold a key of ours: it never reaches an LLM
+    return redaction.redact(prompt)  # a brief or train.py may hold a key of ours: it never reaches an LLM

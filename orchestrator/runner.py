@@ -1,18 +1,29 @@
-"""Run one experiment command in its own process group under a hard timeout; kill the whole tree after."""
+"""Run one experiment command in its own process group under a hard timeout; kill the whole tree after.
+
+On Linux the command runs under a reaper (this file run as a script, `reap()`): a child subreaper, so every
+process the command starts stays its descendant however it detaches (setsid, a double fork), and it ends them all
+when the command exits, when it is told to stop, or when the controller dies (even by SIGKILL). Nothing a run
+starts outlives it. This file is run by path with `python -I -S`: it imports nothing of the package.
+"""
 
 from __future__ import annotations
 
+import ctypes
 import os
+import resource
 import select
 import signal
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import psutil
+if __name__ == "__main__":  # the reaper, started without site (`python -I -S`: half the start-up time):
+    sys.path.append(sys.argv.pop(1))  # psutil from where the controller found it (after the standard library)
+import psutil  # noqa: E402
 
 KILL_GRACE_S = 5.0  # SIGTERM, then this long, then SIGKILL
 REAP_S = 10.0  # after SIGKILL: how long to wait for the exit before reporting the process as stuck
@@ -141,21 +152,116 @@ def _reap(proc: subprocess.Popen) -> None:
               "kernel, e.g. on a GPU driver); not waiting for it", flush=True)
 
 
+# ---------------------------------------------------------------------------
+# The reaper: the process run_command starts in place of the command (Linux)
+# ---------------------------------------------------------------------------
+
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36  # <linux/prctl.h>
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}  # SIGTERM is also what the controller's death sends
+LEFTOVER_GRACE_S = 0.5  # after the command exited: SIGTERM its leftovers, this long, then SIGKILL
+REAPER = sys.platform.startswith("linux")  # prctl: elsewhere the command runs directly (its group is killed)
+
+
+def under_reaper(cmd: list[str]) -> list[str]:
+    """cmd run under the reaper (which knows the controller's pid: it ends the tree if the controller is gone)."""
+    if not REAPER:
+        return cmd
+    site = os.path.dirname(os.path.dirname(psutil.__file__))
+    return [sys.executable, "-I", "-S", os.path.abspath(__file__), site, str(os.getpid()), "--", *cmd]
+
+
+def _prctl(option: int, value: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(option, value, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), f"prctl({option})")
+
+
+def _end_descendants(grace_s: float, statuses: dict[int, int]) -> None:
+    """SIGTERM every descendant (orphans are ours: we are their subreaper), wait, SIGKILL the rest; until none
+    is left (one may fork while it dies). Exit codes of our children go to statuses."""
+    for _ in range(10):
+        procs = psutil.Process().children(recursive=True)
+        if not procs:
+            return
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 2.0)):
+            for proc in procs:
+                try:
+                    proc.send_signal(sig)
+                except psutil.Error:
+                    pass
+            gone, procs = psutil.wait_procs(procs, timeout=wait_s)
+            statuses.update((p.pid, p.returncode) for p in gone if p.returncode is not None)
+            if not procs:
+                break
+        _reap_children(statuses)
+
+
+def _reap_children(statuses: dict[int, int]) -> None:
+    """Collect every child that has exited (orphans that died are ours to wait for)."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        statuses[pid] = os.waitstatus_to_exitcode(status)
+
+
+def _exit_as(code: int | None) -> None:
+    """Exit the way the command did: its exit code, or killed by its signal (the caller sees -signal)."""
+    if code is not None and code < 0:
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a crashed command's signal, not our core dump
+        if -code not in (signal.SIGKILL, signal.SIGSTOP):  # those two have no handler to reset
+            signal.signal(-code, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, [])
+        os.kill(os.getpid(), -code)
+    os._exit(1 if code is None or code < 0 else code)
+
+
+def reap(argv: list[str]) -> None:
+    """The reaper's main: `CONTROLLER_PID -- COMMAND...`. Signals are taken synchronously (sigwaitinfo), so
+    none can land between starting the command and knowing its pid."""
+    parent, cmd = int(argv[0]), argv[2:]
+    signal.pthread_sigmask(signal.SIG_BLOCK, {*STOP_SIGNALS, signal.SIGCHLD})
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # the controller died before PDEATHSIG was armed
+        os._exit(1)
+    try:  # the command gets our stdin (a nonce), output and environment; default signal mask and SIGPIPE
+        pid = os.posix_spawnp(cmd[0], cmd, os.environ, setsigmask=(),
+                              setsigdef=(signal.SIGPIPE, signal.SIGXFSZ, *STOP_SIGNALS))
+    except OSError as e:
+        print(f"autoloop: cannot run {cmd[0]}: {e}", file=sys.stderr, flush=True)
+        os._exit(127)
+    statuses: dict[int, int] = {}
+    grace = LEFTOVER_GRACE_S
+    while pid not in statuses:
+        info = signal.sigwaitinfo({*STOP_SIGNALS, signal.SIGCHLD})
+        if info.si_signo in STOP_SIGNALS:  # a timeout, a cancel, the controller's end: all of it, now
+            grace = KILL_GRACE_S
+            break
+        _reap_children(statuses)
+    _end_descendants(grace, statuses)
+    _reap_children(statuses)
+    _exit_as(statuses.get(pid))
+
+
 def run_command(cmd: list[str], cwd: Path, env: dict[str, str], log_path: Path, timeout_s: float,
                 on_start: Callable[[int], None] | None = None, on_tick: Callable[[float], None] | None = None,
                 tick_s: float = 1.0, cancel: threading.Event | None = None,
                 log_cap: int = LOG_CAP_BYTES, stdin_text: str | None = None) -> RunResult:
-    """Run cmd with stdout+stderr to log_path (capped: CappedLog) in a new session; never raises for the
-    command's failures.
+    """Run cmd with stdout+stderr to log_path (capped: CappedLog) in a new session, under the reaper; never
+    raises for the command's failures. The pid on_start gets is the reaper's (its tree is the run's).
 
     On timeout or KeyboardInterrupt the whole tree is killed (SIGTERM, grace, SIGKILL); after a normal
-    exit any process left in the group is killed too, so nothing outlives an experiment.
+    exit the reaper ends whatever the command left (its group is killed too), so nothing outlives an experiment.
     """
     log_path.parent.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     read_end, write_end = os.pipe()
     try:
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=write_end, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(under_reaper(cmd), cwd=cwd, env=env, stdout=write_end, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL if stdin_text is None else subprocess.PIPE,
                                 start_new_session=True)
     except BaseException:
@@ -208,3 +314,7 @@ def run_command(cmd: list[str], cwd: Path, env: dict[str, str], log_path: Path, 
     code = reaped.get(proc.pid, proc.returncode) if (timed_out or interrupted) else proc.returncode
     return RunResult(exit_code=code, timed_out=timed_out, wall_s=time.monotonic() - start,
                      log_path=log_path, interrupted=interrupted)
+
+
+if __name__ == "__main__":
+    reap(sys.argv[1:])

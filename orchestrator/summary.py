@@ -6,6 +6,8 @@ import math
 import re
 from pathlib import Path
 
+from . import redaction
+
 TAIL_BYTES = 1 << 20  # what is read of a run's log: the summary and the last error are at its end
 
 SUMMARY_KEYS = ("val_bpb", "training_seconds", "total_seconds", "peak_vram_mb", "mfu_percent",
@@ -56,20 +58,22 @@ def val_bpb_of(metrics: dict) -> float | None:
 
 
 def last_error_line(log_text: str, limit: int = 160) -> str:
-    """The most telling line of a failed run: the last line that looks like an error, else the last line."""
+    """The most telling line of a failed run: the last line that looks like an error, else the last line;
+    without secrets or long random tokens (it becomes a crash reason: a row, a record, a prompt)."""
     lines = [line.strip() for line in log_text.replace("\r", "\n").splitlines() if line.strip()]
     for line in reversed(lines):
         if _ERROR.search(line) and not line.startswith("File "):
-            return line[:limit]
-    return lines[-1][:limit] if lines else ""
+            return redaction.line(line, limit)
+    return redaction.line(lines[-1], limit) if lines else ""
 
 
 def environment_error(log_text: str) -> str:
-    """The line of a crashed run's log that blames the environment (device, driver, disk, install), or ''."""
+    """The line of a crashed run's log that blames the environment (device, driver, disk, install), or '';
+    cleaned as last_error_line's."""
     lines = log_text.replace("\r", "\n").splitlines()[-200:]
     for line in reversed(lines):
         if _ENVIRONMENT.search(line) and not line.strip().startswith("File "):
-            return line.strip()[:160]
+            return redaction.line(line.strip(), 160)
     return ""
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import git
 import psutil
 
-from . import LoopError, gitops
+from . import LoopError, gitops, redaction
 from .evaluation import RESULT, audit_clock, compare_printed, evaluator_flags, read_evaluation, read_result
 from .executors import OUT, PYTHON, Executor, Handle, Job, JobResult, Slot, wait_any
 from .guard import new_violations
@@ -261,7 +261,8 @@ def measure_safely(ws, record: Record, result: JobResult, job: Job, startup: flo
     try:
         return measure(ws, record, result, job, startup, audit)
     except Exception as e:  # noqa: BLE001
-        return Crash(f"what the run left could not be read: {type(e).__name__}: {str(e)[:200]}", Phase.EVALUATE)
+        return Crash(f"what the run left could not be read: {type(e).__name__}: {redaction.line(str(e), 200)}",
+                     Phase.EVALUATE)
 
 
 def learned_startup(state: State, budget: float) -> float | None:

@@ -7,12 +7,14 @@ import os
 import shutil
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import git
 import psutil
 
-from . import LoopError, confine, gitops, gpu, harness
+from . import LoopError, confine, gitops, gpu, harness, redaction
 from .executors import Executor
 from .judge import row_of
 from .ledger import Record, append_row, ensure_header, write_json_atomic, write_record
@@ -100,6 +102,11 @@ class Workspace:
                       f"{self.settings.budget:g} does not reach it, so runs are timed, audited and pinned at {fixed:g}s")
             self.settings.budget = fixed  # the hard timeout, the clock audit, the ETA and the pin follow it
             self.env["AUTOLOOP_TIME_BUDGET"] = f"{fixed:g}"
+        if not self.info.exported:
+            self.echo("autoloop: note: this prepare.py " + ("evaluates the model by importing train.py" if
+                      self.info.artifacts else "has no harness evaluation (train.py's printed val_bpb is read)") +
+                      ": its metric is not protected against an edit that games it (README: threat model); "
+                      "autoloop's prepare.py evaluates an exported graph without running train.py's code")
         if self.info.artifacts and not self.info.result_file:
             self.echo("autoloop: note: this prepare.py predates the evaluation's result file: the metric is read from "
                       "its output, which an edit could forge; update prepare.py from autoloop's")
@@ -203,35 +210,74 @@ class Workspace:
                 problems.append("the manifest (evaluation sizes, file hashes) changed since session start")
         return problems
 
-    def protected(self, state: State) -> dict[Path, bytes | None]:
-        """What no run may touch, as it is now: the ledger, the records, the session pin, the queue, the repo's
-        git config and hooks (the controller runs git: a hook planted there would run with its rights)."""
-        hooks = Path(self.repo.common_dir) / "hooks"
-        paths = [self.paths.ledger, self.paths.session, self.paths.queue, Path(self.repo.common_dir) / "config",
-                 *(self.paths.run_dir(r.n) / "record.json" for r in state.records),
-                 *(hooks.iterdir() if hooks.is_dir() else ())]
-        return {path: _read(path) for path in paths}
+    def protected(self, state: State) -> Protected:
+        """What no run may touch, as it is now: the ledger, the records, the session pin, the queue, and the
+        repository's refs; the git state git itself would act on (config, attributes, alternates, hooks, the
+        worktrees' links and HEADs) is the guard's, taken afresh here. Whatever the guard put back while no run
+        was going (e.g. after one that changed it was already judged) is said, not blamed on the next run."""
+        guard = gitops.guard_of(self.repo)
+        if stray := guard.check() + guard.drain():
+            self.echo(f"autoloop: note: put back what was changed in git between runs: "
+                      f"{', '.join(self._named(stray))}")
+        guard.snapshot()
+        paths = [self.paths.ledger, self.paths.session, self.paths.queue,
+                 *(self.paths.run_dir(r.n) / "record.json" for r in state.records)]
+        return Protected({path: _read(path) for path in paths}, gitops.refs(self.repo))
 
-    def touched(self, before: dict[Path, bytes | None]) -> list[str]:
-        """What a run changed of `before` (protected()), each put back as it was; new hooks removed. The queue may
-        be created or grow (`autoloop queue add` while a loop runs), never change. In the sandbox runs cannot
-        write any of it: the check is skipped there (only you or your tools could have changed it)."""
-        if self.sandbox is not None:
-            return []
-        hooks = Path(self.repo.common_dir) / "hooks"
-        now = {p: _read(p) for p in [*before, *(hooks.iterdir() if hooks.is_dir() else ())]}
-        changed = []
-        for path, data in now.items():
-            old = before.get(path)
+    def touched(self, before: Protected) -> list[str]:
+        """What a run changed of `before` (protected()) and of what the guard keeps, each put back as it was: a
+        file rewritten, a hook or ref planted, a ref moved (but the controller's own: the run's tried ref, the
+        session branch). The queue may be created or grow (`autoloop queue add` while a loop runs), never
+        change; other sessions' refs (refs/autoloop/<tag>/, autoloop/<tag> branches) are theirs. Confined or
+        not: in the sandbox a run still writes its worktree's `.git` file."""
+        guard = gitops.guard_of(self.repo)
+        guard.check()
+        changed = self._named(guard.drain())
+        for path, old in before.files.items():
+            data = _read(path)
             if data == old or path == self.paths.queue and data is not None and data.startswith(old or b""):
                 continue
-            changed.append(str(path.relative_to(self.settings.repo)) if path.is_relative_to(self.settings.repo)
-                           else str(path))
+            changed.append(self._named([path])[0])
             if old is None:
                 path.unlink(missing_ok=True)
             else:
                 path.write_bytes(old)
-        return changed
+        return changed + self._moved_refs(before.refs, guard.written)
+
+    def _moved_refs(self, before: dict[str, tuple[str, str]], written: dict[str, str]) -> list[str]:
+        """Refs that differ from before other than by the controller's own update; each put back."""
+        now = gitops.refs(self.repo)
+        ours = (f"refs/autoloop/{self.settings.tag}/", f"refs/heads/autoloop/{self.settings.tag}")
+        moved = []
+        for name in sorted({*before, *now}):
+            expected = (written[name], "") if name in written else before.get(name)
+            others = name.startswith(("refs/autoloop/", "refs/heads/autoloop/")) and not (
+                name.startswith(ours[0]) or name == ours[1]) or name in self._users_refs()
+            if now.get(name) != expected and not others:
+                try:
+                    gitops.restore_ref(self.repo, name, expected)
+                except git.GitCommandError as e:  # e.g. a lock file planted next to it
+                    raise LoopError(f"a run changed the ref {name} and it could not be put back "
+                                    f"({' '.join(str(e.stderr).split())[:200]}); restore it (git update-ref), "
+                                    "then run the same command to resume") from None
+                moved.append(name)
+        return moved
+
+    def _users_refs(self) -> set[str]:
+        """The refs you move yourself while a loop runs (committing or stashing in your checkout): the branch
+        checked out in your worktree and the stash. A run is never blamed for them, nor are they set back; the
+        sandbox keeps runs out of .git altogether."""
+        try:
+            head = self.repo.git.symbolic_ref("-q", "HEAD").strip()
+        except git.GitCommandError:  # a detached HEAD
+            head = ""
+        return {name for name in (head, "refs/stash") if name}
+
+    def _named(self, paths: list[Path]) -> list[str]:
+        """Paths as the user knows them: relative to the repository where inside it."""
+        root = self.settings.repo.resolve()
+        resolved = dict.fromkeys(p.resolve() for p in paths)
+        return [str(p.relative_to(root)) if p.is_relative_to(root) else str(p) for p in resolved]
 
     def restore_harness(self) -> None:
         """After a run changed the harness: the pinned prepare.py checked out again and the data prepared again
@@ -263,8 +309,10 @@ class Workspace:
 
     def record(self, record: Record, state: State) -> None:
         """Write one decided run: record.json, then the fsync'd row, then the branch (in that order, for resume);
-        keep the saved models of the baseline and the best only."""
+        keep the saved models of the baseline and the best only. The record is cleaned first (in place: the
+        console, the trackers and the proposer see it so too)."""
         record.ended = time.time()
+        redaction.record(record)  # what the run said (its crash, its summary) without a secret of ours
         write_record(self.paths.run_dir(record.n), record)
         append_row(self.paths.ledger, row_of(record))
         previous_best = state.best_run
@@ -287,6 +335,14 @@ def _read(path: Path) -> bytes | None:
         return path.read_bytes()
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         return None
+
+
+@dataclass
+class Protected:
+    """What no run may touch, as it was before the runs of a generation (Workspace.protected)."""
+
+    files: dict[Path, bytes | None]
+    refs: dict[str, tuple[str, str]]  # name -> (commit, symbolic target)
 
 
 class SessionChanged(LoopError):

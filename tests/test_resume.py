@@ -119,6 +119,13 @@ def test_second_run_on_same_tag_refuses_while_first_alive(fake_repo, tmp_path):
     assert not wt.is_dirty(untracked_files=True)
 
 
+def running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def start_slow_runs(repo, tmp_path, workers: int):
     """A loop on `workers` slots whose second generation's runs each train for a minute: (process, their pids)."""
     plan_path = fakes.write_plan(tmp_path / "plan.json", [
@@ -136,7 +143,8 @@ def test_sigkill_while_training_then_resume(fake_repo, tmp_path, workers):
     first, orphans = start_slow_runs(repo, tmp_path, workers)
     first.kill()
     first.communicate(timeout=30)
-    assert all(psutil.pid_exists(pid) for pid in orphans)  # nobody killed them yet
+    # each run ends with its controller (its reaper is told of the death), before any restart looks for it
+    wait_for(lambda: not [pid for pid in orphans if running(pid)], timeout=15)
     fast = fakes.write_plan(tmp_path / "plan.json", [{"description": f"slow {i}", "train": fakes.ok(0.95 + i / 100)}
                                                      for i in range(workers)])
     second = start(repo, fast, "--workers", str(workers), "--gpus", "", "--max-experiments", str(2 * workers))

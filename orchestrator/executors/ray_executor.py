@@ -112,9 +112,9 @@ def _node_job(spec: dict, files: dict[str, bytes], inputs: dict[str, bytes], sta
 
 def tracked_files(workdir: Path) -> dict[str, bytes]:
     """The worktree's code as the task will see it: every file git tracks there."""
-    import git
+    from .. import gitops  # with its git directory named by the controller, never read from the worktree
 
-    names = git.Repo(workdir).git.ls_files("-z").split("\0")
+    names = gitops.Repo(workdir).git.ls_files("-z").split("\0")
     return {name: (workdir / name).read_bytes() for name in names if name and (workdir / name).is_file()}
 
 
