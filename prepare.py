@@ -828,7 +828,7 @@ def save_eval_artifact(model, batch_size, path):
     with torch.no_grad(), torch.autocast(device_type=device.type, enabled=False):  # a plain graph; the
         model(example)  # harness applies the autocast itself. One call first: lazily built caches exist.
         program = torch.export.export(model, (example,))
-    tmp = f"{path}.tmp"
+    tmp = f"{path}.tmp.pt2"  # (torch.export.save warns about any other suffix)
     torch.export.save(program, tmp, extra_files={"autoloop.json": json.dumps(
         {"autocast": str(autocast) if autocast else None, "batch_size": batch_size})})
     os.replace(tmp, path)
@@ -879,7 +879,7 @@ _unsafe_view __and__ __or__ __xor__ __invert__
 """.split())
 EVAL_MAX_PROBES = 8  # batches re-run with a changed future and shuffled rows (causality, rows kept apart):
 EVAL_PROBE_SHARE = 8  # one in this many of the evaluation's batches, at least EVAL_MIN_PROBES, at most the max
-EVAL_MIN_PROBES = 3
+EVAL_MIN_PROBES = 2
 EVAL_PROBE_ATOL = 1e-4  # logits that should not change may differ by this much (kernel noise) before it counts
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _FORBIDDEN_KEYS = {"as_expr", "expr_str", "as_graph", "as_custom_obj", "as_operator", "as_sym_int", "as_sym_ints",
@@ -949,70 +949,195 @@ def _check_program(program):
         raise ArtifactRefused(f"an unknown graph dialect {program['verifiers']}")
 
 
+# Serialized enums of torch.export's schema (torch/_export/serde/schema.py), the ones a model's graph uses
+_DTYPES = {1: torch.uint8, 2: torch.int8, 3: torch.int16, 4: torch.int32, 5: torch.int64, 6: torch.float16,
+           7: torch.float32, 8: torch.float64, 12: torch.bool, 13: torch.bfloat16}
+_STRIDED, _MEMORY_FORMATS = 7, {1: torch.contiguous_format, 4: torch.preserve_format}
+_LITERALS = {"as_int", "as_float", "as_bool", "as_string", "as_ints", "as_floats", "as_bools", "as_strings"}
+
+
 def _read_payload(archive, directory, config_name, kind):
     """Tensors stored as raw bytes (never pickles), each checked against the shape and dtype it declares."""
-    from torch._export.serde import schema
-    from torch._export.serde.serialize import _dict_to_dataclass, deserialize_scalar_type
-
-    config = _dict_to_dataclass(schema.PayloadConfig, json.loads(archive.read(directory + config_name)))
     tensors = {}
-    for fqn, meta in config.config.items():
-        if meta.use_pickle or not meta.path_name.startswith(("weight_", "tensor_")) or meta.tensor_meta is None:
+    config = json.loads(archive.read(directory + config_name))["config"]
+    for fqn, meta in config.items():
+        tm = meta.get("tensor_meta") or {}
+        path = str(meta.get("path_name", ""))
+        if meta.get("use_pickle") or not re.fullmatch(r"(weight|tensor)_\d+", path) or tm.get("dtype") not in _DTYPES \
+                or tm.get("layout", _STRIDED) != _STRIDED:
             raise ArtifactRefused(f"{kind} {fqn!r} is not a plain tensor (pickled objects are not loaded)")
-        tm = meta.tensor_meta
-        dtype = deserialize_scalar_type(tm.dtype)
-        sizes = [s.as_int for s in tm.sizes]
-        strides = [s.as_int for s in tm.strides]
-        if any(not isinstance(v, int) for v in [*sizes, *strides, tm.storage_offset.as_int]):
-            raise ArtifactRefused(f"{kind} {fqn!r} has a symbolic shape")
-        data = bytearray(archive.read(directory + meta.path_name))
+        try:
+            sizes, strides = [s["as_int"] for s in tm["sizes"]], [s["as_int"] for s in tm["strides"]]
+            offset = tm["storage_offset"]["as_int"]
+        except (KeyError, TypeError):
+            raise ArtifactRefused(f"{kind} {fqn!r} has a symbolic shape") from None
+        if not all(type(v) is int for v in [*sizes, *strides, offset]):
+            raise ArtifactRefused(f"{kind} {fqn!r} has a malformed shape")
+        data = bytearray(archive.read(directory + path))
+        dtype = _DTYPES[tm["dtype"]]
         flat = torch.frombuffer(data, dtype=dtype) if data else torch.zeros(0, dtype=dtype)
         try:
-            tensor = torch.as_strided(flat, sizes, strides, tm.storage_offset.as_int)
+            tensors[fqn] = torch.as_strided(flat, sizes, strides, offset)
         except RuntimeError as e:
             raise ArtifactRefused(f"{kind} {fqn!r} does not fit its data ({str(e)[:80]})") from None
-        tensors[fqn] = torch.nn.Parameter(tensor, requires_grad=False) if meta.is_param else tensor
     return tensors
 
 
-def load_exported(path, device):
-    """(the exported program on `device`, the run's notes) read from a torch.export archive without executing
-    anything from it. ArtifactRefused says why a file is not evaluated."""
-    import zipfile
+class _Ref:
+    """A value of the graph, by name."""
+    __slots__ = ("name",)
 
-    from torch._export.serde import schema
-    from torch._export.serde.serialize import ExportedProgramDeserializer, _dict_to_dataclass
+    def __init__(self, name):
+        self.name = name
+
+
+def _decode(arg, device):
+    """A serialized argument as a Python value (a _Ref for a tensor of the graph). Anything else is refused."""
+    if not isinstance(arg, dict) or len(arg) != 1:
+        raise ArtifactRefused("a malformed argument")
+    (tag, value), = arg.items()
+    if tag == "as_tensor":
+        return _Ref(value["name"])
+    if tag == "as_tensors":
+        return [_Ref(v["name"]) for v in value]
+    if tag == "as_optional_tensors":
+        return [None if "as_none" in v else _Ref(v["as_tensor"]["name"]) for v in value]
+    if tag == "as_none":
+        return None
+    if tag in _LITERALS:
+        return value
+    if tag == "as_scalar_type" and value in _DTYPES:
+        return _DTYPES[value]
+    if tag == "as_device":
+        return device  # the evaluation's device, whatever the run's was
+    if tag == "as_layout" and value == _STRIDED:
+        return torch.strided
+    if tag == "as_memory_format" and value in _MEMORY_FORMATS:
+        return _MEMORY_FORMATS[value]
+    raise ArtifactRefused(f"an argument of an unsupported kind ({tag})")
+
+
+def _operation(target):
+    """The allowed ATen operation a node calls: pure and deterministic (attention: dropout checked per node)."""
+    parts = str(target).split(".")
+    if len(parts) != 5 or parts[:3] != ["torch", "ops", "aten"] or parts[3] not in EVAL_OPS \
+            or not _IDENTIFIER.match(parts[4]):
+        raise ArtifactRefused(f"the graph uses {str(target)[:80]!r}, which is not among the ATen operations the "
+                              "harness evaluates (pure and deterministic; no random, in-place or custom ones)")
+    try:
+        op = getattr(getattr(torch.ops.aten, parts[3]), parts[4])
+    except AttributeError:
+        raise ArtifactRefused(f"the graph uses {target!r}, which this torch does not have") from None
+    attention = parts[3] == "scaled_dot_product_attention"
+    if op._schema.is_mutable or (torch.Tag.nondeterministic_seeded in op.tags and not attention):
+        raise ArtifactRefused(f"the graph uses {op}, which mutates or draws random numbers")
+    return op
+
+
+class ExportedGraph:
+    """An exported graph run by the harness itself: each node an allowed ATen operation called on decoded
+    arguments, in order. Nothing from the archive is executed but those operations (no deserializer, no
+    generated code); export's dtype assertions are skipped (they pin the fp32 seen at export, and the harness
+    runs the graph under the run's autocast)."""
+
+    def __init__(self, program, weights, constants, device):
+        module = program["graph_module"]
+        graph, signature = module["graph"], module["signature"]
+        self.values, inputs = {}, []
+        for spec in signature["input_specs"]:
+            (kind, body), = spec.items()
+            if kind == "user_input":
+                inputs.append(body["arg"]["as_tensor"]["name"])
+                continue
+            fqn = body.get({"parameter": "parameter_name", "buffer": "buffer_name",
+                            "tensor_constant": "tensor_constant_name"}.get(kind, ""), "")
+            source = weights if fqn in weights else constants
+            if kind not in ("parameter", "buffer", "tensor_constant") or fqn not in source:
+                raise ArtifactRefused(f"the graph takes an input of kind {kind} ({fqn or '?'}); it may take only "
+                                      "its weights and the batch")
+            self.values[body["arg"]["name"]] = source[fqn].to(device)
+        outputs = signature["output_specs"]
+        if len(inputs) != 1:
+            raise ArtifactRefused(f"the model takes {len(inputs)} inputs; it must take one batch of token ids")
+        if [next(iter(o)) for o in outputs] != ["user_output"] or "as_tensor" not in outputs[0]["user_output"]["arg"]:
+            raise ArtifactRefused("the graph must return exactly one tensor (the logits) and mutate nothing: a buffer "
+                                  "it updates would carry state from one batch to the next")
+        self.input, self.output = inputs[0], outputs[0]["user_output"]["arg"]["as_tensor"]["name"]
+        self.nodes = []
+        for node in graph["nodes"]:
+            op = _operation(node.get("target"))
+            if op is torch.ops.aten._assert_tensor_metadata.default:
+                continue
+            args, kwargs = [], {}
+            for item in node["inputs"]:
+                value = _decode(item["arg"], device)
+                if item.get("kind") == 2:
+                    kwargs[item["name"]] = value
+                else:
+                    args.append(value)
+            if op is torch.ops.aten.scaled_dot_product_attention.default and \
+                    kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0) != 0.0:
+                raise ArtifactRefused("the graph's attention uses dropout (random numbers); evaluate without it")
+            self.nodes.append((op, args, kwargs, [_decode(o, device) for o in node["outputs"]]))
+
+    def _get(self, value, env):
+        if isinstance(value, _Ref):
+            if value.name not in env:
+                raise ArtifactRefused(f"the graph uses {value.name!r} before it is computed")
+            return env[value.name]
+        if isinstance(value, list):
+            return [self._get(v, env) for v in value]
+        return value
+
+    def __call__(self, x):
+        env = dict(self.values)
+        env[self.input] = x
+        for op, args, kwargs, outputs in self.nodes:
+            result = op(*[self._get(a, env) for a in args], **{k: self._get(v, env) for k, v in kwargs.items()})
+            if len(outputs) == 1 and isinstance(outputs[0], _Ref):
+                env[outputs[0].name] = result
+                continue
+            flat = [o for out in outputs for o in (out if isinstance(out, list) else [out])]
+            results = list(result) if isinstance(result, (tuple, list)) else [result]
+            if len(results) != len(flat):
+                raise ArtifactRefused(f"{op} returned {len(results)} values, the graph names {len(flat)}")
+            for out, value in zip(flat, results):
+                if isinstance(out, _Ref):
+                    env[out.name] = value
+        if self.output not in env:
+            raise ArtifactRefused("the graph's output is never computed")
+        return env[self.output]
+
+
+def load_exported(path, device):
+    """(the exported graph, ready to run on `device`, the run's notes, the input shape) read from a torch.export
+    archive without executing anything from it. ArtifactRefused says why a file is not evaluated."""
+    import zipfile
 
     try:
         archive = zipfile.ZipFile(path)
     except (OSError, zipfile.BadZipFile) as e:
         raise ArtifactRefused(f"the saved model is not an exported program ({e}); call prepare.evaluate_bpb, which "
                               "exports it with torch.export") from None
-    with archive:
-        roots = [name[:-len("models/model.json")] for name in archive.namelist() if name.endswith("models/model.json")]
-        if len(roots) != 1:
-            raise ArtifactRefused("the saved model holds no single exported program")
-        root = roots[0]
-        program = json.loads(archive.read(root + "models/model.json"))
-        _check_program(program)
-        weights = _read_payload(archive, root + "data/weights/", "model_weights_config.json", "weight")
-        constants = _read_payload(archive, root + "data/constants/", "model_constants_config.json", "constant")
-        try:
-            notes = json.loads(archive.read(root + "extra/autoloop.json"))
-        except (KeyError, ValueError):
-            notes = {}
-    user_inputs = [spec for spec in program["graph_module"]["signature"]["input_specs"] if "user_input" in spec]
-    if len(user_inputs) != 1:
-        raise ArtifactRefused(f"the model takes {len(user_inputs)} inputs; it must take one batch of token ids")
-    shape = _input_shape(program, user_inputs[0]["user_input"]["arg"]["as_tensor"]["name"])
-    example = torch.zeros(shape, dtype=torch.long)
-    serialized = _dict_to_dataclass(schema.ExportedProgram, program)
     try:
-        exported = ExportedProgramDeserializer().deserialize(serialized, weights, constants, ((example,), {}))
-    except Exception as e:  # noqa: BLE001 - a malformed graph is the run's failure, said in one line
-        raise ArtifactRefused(f"the exported graph does not load: {type(e).__name__}: {str(e)[:160]}") from None
-    _check_signature(exported)
-    return exported, notes, shape
+        with archive:
+            roots = [n[:-len("models/model.json")] for n in archive.namelist() if n.endswith("models/model.json")]
+            if len(roots) != 1:
+                raise ArtifactRefused("the saved model holds no single exported program")
+            root = roots[0]
+            program = json.loads(archive.read(root + "models/model.json"))
+            _check_program(program)
+            weights = _read_payload(archive, root + "data/weights/", "model_weights_config.json", "weight")
+            constants = _read_payload(archive, root + "data/constants/", "model_constants_config.json", "constant")
+            try:
+                notes = json.loads(archive.read(root + "extra/autoloop.json"))
+            except (KeyError, ValueError):
+                notes = {}
+        graph = ExportedGraph(program, weights, constants, device)
+        shape = _input_shape(program, graph.input)
+    except (KeyError, TypeError, ValueError, AttributeError, zipfile.BadZipFile) as e:
+        raise ArtifactRefused(f"the exported program is malformed ({type(e).__name__}: {str(e)[:120]})") from None
+    return graph, notes if isinstance(notes, dict) else {}, shape
 
 
 def _input_shape(program, name):
@@ -1025,44 +1150,17 @@ def _input_shape(program, name):
     return tuple(sizes)
 
 
-def _check_signature(exported):
-    """One batch of token ids in, one tensor out; nothing mutated (no buffer that could carry state)."""
-    from torch.export.graph_signature import InputKind, OutputKind
-
-    signature = exported.graph_signature
-    if any(spec.kind not in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR, InputKind.USER_INPUT)
-           for spec in signature.input_specs):
-        raise ArtifactRefused("the graph takes inputs other than its weights and the batch")
-    if [spec.kind for spec in signature.output_specs] != [OutputKind.USER_OUTPUT]:
-        raise ArtifactRefused("the graph must return exactly one tensor (the logits) and mutate nothing: a buffer "
-                              "it updates would carry state from one batch to the next")
-    for node in exported.graph.nodes:
-        if node.op == "call_function":
-            op = node.target
-            attention = isinstance(op, torch._ops.OpOverload) and op.name() == "aten::scaled_dot_product_attention"
-            if not isinstance(op, torch._ops.OpOverload) or op._schema.is_mutable \
-                    or (torch.Tag.nondeterministic_seeded in op.tags and not attention):
-                raise ArtifactRefused(f"the graph uses {op}, which mutates or draws random numbers")
-            if attention and node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0) != 0.0:
-                raise ArtifactRefused("the graph's attention uses dropout (random numbers); evaluate without it")
-        elif node.op not in ("placeholder", "output", "get_attr"):
-            raise ArtifactRefused(f"the graph has a {node.op} node")
-
-
-def _without_dtype_asserts(module):
-    """The module without export's dtype assertions: they pin the dtypes seen at export (fp32), and the harness
-    runs the graph under the run's autocast. They compute nothing."""
-    for node in list(module.graph.nodes):
-        if node.op == "call_function" and node.target == torch.ops.aten._assert_tensor_metadata.default:
-            module.graph.erase_node(node)
-    module.recompile()
-    return module
+def probe_picks(n_batches, generator):
+    """Which of the evaluation's batches the probes run again (at random; always the first, for state)."""
+    probes = min(EVAL_MAX_PROBES, max(EVAL_MIN_PROBES, -(-n_batches // EVAL_PROBE_SHARE)))
+    return torch.randperm(n_batches, generator=generator)[:probes].tolist()
 
 
 @torch.no_grad()
-def _score(forward, rows, batch_rows, wanted, vocab, token_bytes, device):
-    """(total nats, total bytes, [(batch index, input, logits)] of every batch) of the evaluation rows."""
-    total_nats, total_bytes, counted, seen = 0.0, 0, 0, []
+def _score(forward, rows, batch_rows, wanted, vocab, token_bytes, device, keep=()):
+    """(total nats, total bytes, {batch index: (input, logits)} of the batches in `keep`) of the evaluation
+    rows (only those batches' logits are kept: all of them would take gigabytes)."""
+    total_nats, total_bytes, counted, seen = 0.0, 0, 0, {}
     for b, start in enumerate(range(0, len(rows), batch_rows)):
         batch = rows[start:start + batch_rows]
         real = len(batch)
@@ -1083,21 +1181,20 @@ def _score(forward, rows, batch_rows, wanted, vocab, token_bytes, device):
         total_nats += (losses[:take] * (nbytes > 0)).sum().item()
         total_bytes += nbytes.sum().item()
         counted += take
-        seen.append((b, x, logits))
+        if b in keep:
+            seen[b] = (x, logits)
     assert counted == wanted, (counted, wanted)
     return total_nats, total_bytes, seen
 
 
 @torch.no_grad()
-def _probe(forward, seen, generator):
+def _probe(forward, seen, picks, generator):
     """'' if the model is causal, keeps batch rows apart and is stateless on the evaluation's own batches, else
     what it did: a few batches (chosen at random) run again with their rows shuffled and each row's tokens after a
     random position replaced by another row's; the logits up to that position must not change. The first batch,
     run again last, must give the same logits."""
-    probes = min(EVAL_MAX_PROBES, max(EVAL_MIN_PROBES, -(-len(seen) // EVAL_PROBE_SHARE)))
-    picks = torch.randperm(len(seen), generator=generator)[:probes].tolist()
     for b in picks:
-        _, x, logits = seen[b]
+        x, logits = seen[b]
         rows, T = x.shape
         order = torch.randperm(rows, generator=generator).to(x.device)
         donor = torch.roll(order, 1) if rows > 1 else order
@@ -1112,7 +1209,7 @@ def _probe(forward, seen, generator):
             if not diff <= EVAL_PROBE_ATOL * scale:
                 return (f"the model's logits at a position changed by {diff:.3g} when later tokens or other rows of "
                         f"the batch changed: it must be causal and score each row on its own")
-    _, x, logits = seen[0]
+    x, logits = seen[0]
     diff = (forward(x).float() - logits.float()).abs().amax().item()
     if not diff <= EVAL_PROBE_ATOL * (1.0 + logits.float().abs().amax().item()):
         return f"the model gave other logits for the same batch later ({diff:.3g}): it must be stateless"
@@ -1145,28 +1242,30 @@ def evaluate_artifact(path, split="val"):
                                  map_location=device, weights_only=True)
         for rel in manifest["splits"][split]:
             _verified_bytes(manifest, f"data/{rel}")
-        exported, notes, (batch_rows, _) = load_exported(path, device)
+        graph, notes, (batch_rows, _) = load_exported(path, device)
         vocab = len(token_bytes)
         if batch_rows > eval_rows_per_forward(batch_rows, vocab):
             raise ArtifactRefused(f"the model was exported for {batch_rows} rows per forward; at most "
                                   f"{eval_rows_per_forward(batch_rows, vocab)} fit the evaluation's memory bound")
         autocast = {"torch.bfloat16": torch.bfloat16, "torch.float16": torch.float16}.get(notes.get("autocast"))
-        module = _without_dtype_asserts(exported.module()).to(device)
     except ArtifactRefused as e:
         return {"error": f"the saved model was refused: {e}"}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
     def forward(x):
-        with torch.autocast(device_type=device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
-            return module(x)
+        with torch.inference_mode(), torch.autocast(device_type=device.type, dtype=autocast or torch.float32,
+                                                    enabled=autocast is not None):
+            return graph(x)
 
     t0 = time.time()
     wanted = split_tokens(split)
     try:
         rows = eval_rows(tokenizer, _split_files(split), -(-wanted // MAX_SEQ_LEN))
-        nats, nbytes, seen = _score(forward, rows, batch_rows, wanted, vocab, token_bytes, device)
-        cheat = _probe(forward, seen, torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little")))
+        generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little"))  # unguessable
+        picks = probe_picks(-(-len(rows) // batch_rows), generator)
+        nats, nbytes, seen = _score(forward, rows, batch_rows, wanted, vocab, token_bytes, device, {0, *picks})
+        cheat = _probe(forward, seen, picks, generator)
     except ArtifactRefused as e:
         return {"error": f"the saved model was refused: {e}"}
     except (RuntimeError, FileNotFoundError, ValueError, TypeError) as e:  # a forward that fails, a split run dry
@@ -1181,7 +1280,7 @@ def evaluate_artifact(path, split="val"):
         peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 2**10)
     return {"val_bpb" if split == "val" else f"{split}_bpb": value, "split": split, "eval_tokens": wanted,
             "batch_size": batch_rows, "autocast": notes.get("autocast"), "seconds": round(time.time() - t0, 3),
-            "probes": min(len(seen), EVAL_MAX_PROBES, max(EVAL_MIN_PROBES, -(-len(seen) // EVAL_PROBE_SHARE))) + 1,
+            "probes": len(picks) + 1,
             "peak_mb": round(peak_mb, 1), "memory_kind": "vram" if device.type == "cuda" else "rss"}
 
 

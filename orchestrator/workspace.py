@@ -80,6 +80,8 @@ class Workspace:
                 self.echo(f"autoloop: note: runs are unconfined: {problem}")
             else:
                 self.sandbox = {"net": self.settings.sandbox_net, "required": self.settings.sandbox == "on"}
+                if note := confine.sandbox_note():
+                    self.echo(f"autoloop: note: the sandbox is weaker on this machine: {note}")
         self.wt = gitops.ensure_worktree(self.repo, self.settings.tag, self.paths.worktree)
         self.paths.runs.mkdir(parents=True, exist_ok=True)
         self.link_results()

@@ -27,12 +27,15 @@ def make_repo(path: Path, files: dict[str, str]) -> git.Repo:
     return repo
 
 
+CONFINED = {"test_confine", "test_sandbox_attacks"}  # the modules that test the sandbox itself
+
+
 @pytest.fixture(autouse=True)
 def unconfined(monkeypatch, request):
     """The suite's fake train.py variants write markers and pid files next to the test, which the sandbox
-    (default: on where bubblewrap works) would refuse: runs are unconfined here, but in test_confine.py, which
-    tests the sandbox itself (and the real train.py in it)."""
-    if request.module.__name__ == "test_confine":
+    (default: on where bubblewrap works) would refuse: runs are unconfined here, but in CONFINED, which test the
+    sandbox itself (and the real train.py in it)."""
+    if request.module.__name__ in CONFINED:
         return
     monkeypatch.setenv("AUTOLOOP_SANDBOX", "off")  # `autoloop` in a subprocess
     from orchestrator import confine

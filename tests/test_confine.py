@@ -99,8 +99,10 @@ def test_an_agent_gets_its_presets_key_and_nothing_else(fake_repo, tmp_path):
 
 def test_the_metric_cannot_be_set_by_the_edit(tiny_env, tmp_path, monkeypatch):
     """Old: the harness took the first AUTOLOOP_EVAL line of the evaluation's stdout, without its exit code; a
-    malformed one raised out of the loop and crashed every resume. Now the result is a file with this run's
-    nonce (read from stdin before train.py is imported), written with functions taken before that import."""
+    malformed one raised out of the loop and crashed every resume; later, code of train.py's that ran when the
+    evaluator imported it could write the result file itself. Now the evaluator never imports train.py (it scores
+    the exported graph), so none of these forgeries runs at all: each row is the model's honest value, and the
+    result is a file with this run's nonce; resumes after them go on."""
     from conftest import ROOT, make_repo
     from orchestrator.loop import Settings, run_loop
     from test_trust import after_imports
@@ -131,12 +133,9 @@ def test_the_metric_cannot_be_set_by_the_edit(tiny_env, tmp_path, monkeypatch):
     run_loop(Settings(**settings), echo=lambda line: None)  # and one after the malformed result
     records = [read_record(Paths(repo, "m").run_dir(n)) for n in range(1, 6)]
     baseline, printed, early, dumps, malformed = records
-    for record in (baseline, printed, dumps):
+    for record in (baseline, printed, early, dumps, malformed):
         assert record.status != "crash" and record.val_bpb > 1.0, (record.description, record.reason)
         assert record.val_bpb == record.metrics["harness_val_bpb"]
-    assert early.status == "crash" and "not this run's" in early.reason
-    assert malformed.status == "crash" and "malformed" in malformed.reason
-    assert all(r.val_bpb is None or r.val_bpb > 1.0 for r in records)
 
 
 def test_the_clock_is_the_controllers():

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..confine import sandbox_problem, sandboxed
+from ..confine import gpu_devices, readable_paths, sandbox_problem, sandboxed
 from ..gpu import smi
 from ..runner import LOG_CAP_BYTES, run_command
 
@@ -47,6 +47,13 @@ class Job:
     step_stdin: list[str | None] = field(default_factory=list)  # per step: what it reads on stdin (None: nothing)
     sandbox: dict | None = None  # {"net": bool, "required": bool}: steps confined by bubblewrap (confine.py)
     local_only: tuple[str, ...] = ()  # env values true of this machine only (another node resolves its own)
+    # In the sandbox ({out} substituted): per step, files and directories it may not read at all (the training
+    # step: the validation and held-out data), which it sees empty; paths within the writable ones that stay
+    # read-only (the worktree's .git is, always); paths it reads that may lie under /tmp or /run, which the
+    # sandbox empties (our Python, AUTOLOOP_CACHE and PYTHONPATH are added by run_steps).
+    step_hidden: list[tuple[str, ...]] = field(default_factory=list)
+    read_only: tuple[str, ...] = ()
+    readable: tuple[str, ...] = ()
 
 
 @dataclass
@@ -133,6 +140,10 @@ def substitute(value: str, out: Path, python: str) -> str:
     return value.replace(OUT, str(out)).replace(PYTHON, python)
 
 
+def substitute_all(values, out: Path) -> list[str]:
+    return [substitute(v, out, sys.executable) for v in values]
+
+
 def gpu_name(visible: str | None) -> str:
     """The model of the first GPU in CUDA_VISIBLE_DEVICES (nvidia-smi), or 'cpu' where there is none."""
     if visible is not None and not visible.strip():
@@ -140,6 +151,12 @@ def gpu_name(visible: str | None) -> str:
     first = (visible or "0").split(",")[0].strip()
     out = (smi(["--query-gpu=name", "--format=csv,noheader", "-i", first], timeout=20) or "").strip()
     return out.splitlines()[0] if out else "cpu"
+
+
+def git_link(workdir: Path) -> list[str]:
+    """The worktree's .git (a file pointing at the repository's gitdir for it, or a repository): a step that
+    rewrote it could point the controller's next git command anywhere."""
+    return [str(workdir.resolve() / ".git")] if (workdir / ".git").exists() else []
 
 
 def run_steps(job: Job, workdir: Path, out: Path, slot_env: dict[str, str],
@@ -165,7 +182,9 @@ def run_steps(job: Job, workdir: Path, out: Path, slot_env: dict[str, str],
                 return JobResult(device=gpu_name(env.get("CUDA_VISIBLE_DEVICES")), node=socket.gethostname(),
                                  infra_error=f"--sandbox on, but {problem} on {socket.gethostname()}")
         else:  # only the run's own directory, its worktree and the session's compile cache are writable
-            confined = [str(p) for p in {out.resolve(), Path(workdir).resolve(), *(p.resolve() for p in scratch)}]
+            writable = {out.resolve(), Path(workdir).resolve(), *(p.resolve() for p in scratch)}
+            confined = {"writable": [str(p) for p in writable], "net": bool(job.sandbox.get("net")),
+                        "read_only": [*substitute_all(job.read_only, out), *git_link(Path(workdir))]}
     result = JobResult(device=gpu_name(env.get("CUDA_VISIBLE_DEVICES")), node=socket.gethostname())
     before = {name: sha256_of(workdir / name) for name in job.watch}
     first_start = None
@@ -180,7 +199,10 @@ def run_steps(job: Job, workdir: Path, out: Path, slot_env: dict[str, str],
                 step_env[key] = substitute(value, out, sys.executable)
         argv = [substitute(a, out, sys.executable) for a in cmd]
         if confined is not None:
-            argv = sandboxed(argv, confined, bool(job.sandbox.get("net")))
+            hidden = job.step_hidden[i] if i < len(job.step_hidden) else ()
+            argv = sandboxed(argv, **confined, hidden=substitute_all(hidden, out),
+                             readable=[*readable_paths(step_env), *substitute_all(job.readable, out)],
+                             devices=gpu_devices(step_env.get("CUDA_VISIBLE_DEVICES")))
         run = run_command(argv, workdir, step_env, out / log,
                           job.timeout_s, on_start=job.on_start, cancel=cancel, log_cap=job.log_cap,
                           stdin_text=job.step_stdin[i] if i < len(job.step_stdin) else None)
