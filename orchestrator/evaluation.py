@@ -12,6 +12,8 @@ import json
 import math
 from pathlib import Path
 
+from .summary import read_run_file
+
 EVAL_TOLERANCE = 0.005  # relative: train.py's own number and the harness's may differ only by kernel noise
 
 
@@ -31,9 +33,8 @@ def read_result(path: Path, nonce: str, exit_code: int | None, split: str = "val
     It counts only with this run's nonce (which the harness read from stdin before importing train.py), the
     number a real finite float, and the process's exit status 0: printing a result, exiting early or writing
     the file from train.py's code changes nothing."""
-    try:
-        raw = path.read_bytes()[:1 << 20]
-    except OSError:
+    raw = read_run_file(path, 1 << 20, tail=False)  # never a link, a FIFO or /dev/zero the run left there
+    if raw is None:
         return None, {}, f"the harness evaluation wrote no result (exit code {exit_code})"
     try:
         result = json.loads(raw)

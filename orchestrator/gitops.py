@@ -375,7 +375,7 @@ def reset_to(wt: git.Repo, commit: str) -> None:
     """Point the branch at commit and make the worktree exactly that commit (untracked files removed)."""
     wt.git.reset("--hard", "-q", commit)
     _expect_head(wt)
-    wt.git.clean("-fdq")
+    wt.git.clean("-ffdq")  # -ff: a nested repository a run made is removed too
 
 
 def _expect_head(wt: git.Repo) -> None:
@@ -424,7 +424,7 @@ def checkout_clean(wt: git.Repo, commit: str) -> None:
     """Detached HEAD at commit with a pristine tree, ignored files gone too (a proposal starts from exactly the
     base commit; what earlier runs left, e.g. checkpoints under an ignored name, does not pile up)."""
     wt.git.checkout("-q", "--detach", "--force", commit)
-    wt.git.clean("-fdxq")
+    wt.git.clean("-ffdxq")  # -ff: nested repositories too (git leaves them with one -f)
 
 
 def diff_all(wt: git.Repo, base: str, context: int = 3) -> str:

@@ -14,14 +14,12 @@ _STEP = re.compile(r"step (\d+) \(([\d.]+)%\) \| loss: ([\d.]+)")
 
 def last_step(log: Path) -> tuple[int, float, float] | None:
     """(step, percent of the budget, smoothed loss) from the newest progress line train.py printed."""
-    try:
-        with open(log, "rb") as f:
-            f.seek(0, 2)
-            f.seek(max(0, f.tell() - 4096))
-            tail = f.read().decode(errors="replace")
-    except OSError:
+    from .summary import read_run_file  # a run may have put a FIFO or a link in its log's place
+
+    data = read_run_file(log, 4096)
+    if data is None:
         return None
-    matches = _STEP.findall(tail)
+    matches = _STEP.findall(data.decode(errors="replace"))
     if not matches:
         return None
     step, pct, loss = matches[-1]

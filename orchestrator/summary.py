@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
 import re
+import stat
 from pathlib import Path
 
 from . import redaction
@@ -77,13 +79,35 @@ def environment_error(log_text: str) -> str:
     return ""
 
 
-def read_tail(path: Path, limit: int = TAIL_BYTES) -> str:
-    """The last `limit` bytes of a log as text ('' if it is missing): a run that printed gigabytes cannot
-    fill the controller's memory."""
+def read_run_file(path: Path, limit: int, tail: bool = True) -> bytes | None:
+    """At most `limit` bytes (the last ones, or the first) of a file a run could have replaced, or None: it must
+    be a regular file at that very path. The controller reads with our rights what a sandboxed run could not:
+    a symlink planted in its place (to a secret of the host) is not followed, a FIFO cannot block us, and
+    /dev/zero cannot fill our memory."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
     try:
-        with open(path, "rb") as f:
-            f.seek(0, 2)
-            f.seek(max(0, f.tell() - limit))
-            return f.read().decode(errors="replace")
+        fd = os.open(path, flags)
     except OSError:
-        return ""
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        if tail and size > limit:
+            os.lseek(fd, size - limit, os.SEEK_SET)
+        chunks, left = [], limit
+        while left > 0 and (chunk := os.read(fd, min(left, 1 << 20))):
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def read_tail(path: Path, limit: int = TAIL_BYTES) -> str:
+    """The last `limit` bytes of a log as text ('' if it is missing or not a regular file: read_run_file): a
+    run that printed gigabytes cannot fill the controller's memory."""
+    data = read_run_file(path, limit)
+    return "" if data is None else data.decode(errors="replace")

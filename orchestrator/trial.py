@@ -120,7 +120,21 @@ def build_job(ws, workdir: Path, run_dir: Path) -> Job:
     return Job(steps=steps, logs=logs, env=env, timeout_s=ws.settings.hard_timeout, workdir=workdir,
                out_dir=run_dir, watch=watch, step_env=step_env, log_cap=int(ws.settings.max_log_mb * (1 << 20)),
                step_stdin=stdin, sandbox=ws.sandbox, local_only=local_only,
-               step_hidden=[evaluation_data(ws.info.manifest)])  # training never reads what it is scored on
+               step_hidden=[evaluation_data(ws.info.manifest) + corpus_source(ws)])  # what it is scored on
+
+
+def corpus_source(ws) -> tuple[str, ...]:
+    """A local corpus (`--dataset DIR`): the training step needs only the prepared shards, and from the source
+    it could rebuild the validation split. (Not the offline corpora made of the machine's own Python files: a
+    run needs those to run at all; README: threat model.) Never a directory that holds the repository or the
+    prepared data."""
+    dataset = Path(str(ws.info.dataset or "")).expanduser()
+    if not dataset.is_absolute() or not dataset.is_dir():
+        return ()
+    inside = [ws.settings.repo, Path(ws.info.cache or "/")]
+    if any(path.resolve().is_relative_to(dataset.resolve()) for path in inside):
+        return ()
+    return (str(dataset),)
 
 
 def evaluation_data(manifest: Path | None) -> tuple[str, ...]:

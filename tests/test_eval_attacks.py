@@ -99,6 +99,11 @@ def attacks(marker: str) -> list[tuple[str, str, str | None]]:
         ("peeks at the next token", forward_returns(
             "logits + 30 * F.embedding(torch.roll(idx, -1, 1), self.eye)",
             "        self.register_buffer('eye', torch.eye(vocab), persistent=False)\n"), "must be causal"),
+        ("peeks, with one unscored logit at -1e6 to widen a tolerance", forward_returns(
+            "logits + 50 * F.embedding(torch.roll(idx, -1, 1), self.eye) + self.big",
+            "        self.register_buffer('eye', torch.eye(vocab), persistent=False)\n"
+            "        self.register_buffer('big', torch.zeros(vocab), persistent=False)\n"
+            "        self.big[vocab - 1] = -1e6  # a reserved token: never scored\n"), "must be causal"),
         ("rows see each other", forward_returns("logits + logits.mean(0, keepdim=True)"), "score each row on its own"),
         ("carries state", forward_returns(
             "logits - self.calls.add_(1)",
@@ -166,7 +171,7 @@ def test_forged_evaluations_are_refused_or_honest(tiny_env, tmp_path, monkeypatc
     steps = attacks(str(marker))
     plan = [{"description": name, "train": source} for name, source, _ in steps]
     monkeypatch.setenv("AUTOLOOP_TEST_PLAN", str(fakes.write_plan(tmp_path / "plan.json", plan)))
-    run_loop(Settings(repo=repo, tag="forge", budget=5.0, proposer="fakes:Scripted", baseline_repeats=0,
+    run_loop(Settings(repo=repo, tag="forge", budget=30.0, proposer="fakes:Scripted", baseline_repeats=0,
                       startup_allowance=30.0, max_crashes=len(steps) + 1), echo=lambda line: None)
     rows = read_rows(repo / "results.tsv")
     assert rows[0].status == "keep" and rows[0].description == "baseline", rows[0]
@@ -234,7 +239,7 @@ for _split in ("v" + "al", "hold" + "out"):
                      ".gitignore": (ROOT / ".gitignore").read_text()})
     monkeypatch.setenv("AUTOLOOP_TEST_PLAN", str(fakes.write_plan(tmp_path / "plan.json", [
         {"description": "reads the validation data", "train": peek}])))
-    run_loop(Settings(repo=repo, tag="peek", budget=5.0, proposer="fakes:Scripted", baseline_repeats=0,
+    run_loop(Settings(repo=repo, tag="peek", budget=30.0, proposer="fakes:Scripted", baseline_repeats=0,
                       startup_allowance=30.0, sandbox="on"), echo=lambda line: None)
     rows = read_rows(repo / "results.tsv")
     assert [r.status for r in rows][:1] == ["keep"] and len(rows) == 2, rows
@@ -270,3 +275,57 @@ def test_a_slowed_clock_is_refused_at_a_small_budget(tiny_env, tmp_path, monkeyp
     assert [r.status for r in rows][0] == "keep" and len(rows) == 3, rows
     assert rows[1].status == "crash" and "budget exceeded" in rows[1].description, rows[1]
     assert rows[2].status in ("keep", "discard"), rows[2]
+
+
+@pytest.mark.timeout(300)
+def test_what_a_run_leaves_in_its_directory_is_read_as_a_file_or_not_at_all(tiny_env, tmp_path, monkeypatch):
+    """The controller reads the run's log and result with rights the run may not have. A run that replaces its
+    run.log by a link to a secret of the host and crashes: the reason is its own words, never the secret. A run
+    that leaves a FIFO as eval.json and a model the evaluator fails on: a crash row, the loop does not hang."""
+    for key in ("AUTOLOOP_CACHE", "AUTOLOOP_PROFILE", "AUTOLOOP_DEVICE"):
+        monkeypatch.setenv(key, tiny_env[key])
+    secret = tmp_path / "host-secret.txt"
+    secret.write_text("RuntimeError: db_password hunter2-prod\n")
+    link_log = ("import os as _os\nrun_dir = _os.path.dirname(_os.environ['AUTOLOOP_' + 'EVAL_ARTIFACT'])\n"
+                "_os.unlink(_os.path.join(run_dir, 'run.log'))\n"
+                f"_os.symlink({str(secret)!r}, _os.path.join(run_dir, 'run.log'))\nraise SystemExit(1)\n")
+    fifo = after_export("_os.mkfifo(_os.path.join(_os.path.dirname(artifact), 'eval.json'))\n").replace(
+        "val_bpb = evaluate_bpb(model, tokenizer, 16)\n",
+        "class Late(nn.Module):  # fine on the zeros export runs it on, out of range on real tokens\n"
+        "    def __init__(self, m):\n        super().__init__()\n        self.m, self.e = m, nn.Embedding(1, m.vocab)\n"
+        "    def forward(self, idx):\n        return self.m.emb(idx) + self.e(idx)\n"
+        "val_bpb = evaluate_bpb(Late(model), tokenizer, 16)\n")
+    repo = tmp_path / "proj"
+    make_repo(repo, {"prepare.py": (ROOT / "prepare.py").read_text(), "train.py": HONEST,
+                     ".gitignore": (ROOT / ".gitignore").read_text()})
+    monkeypatch.setenv("AUTOLOOP_TEST_PLAN", str(fakes.write_plan(tmp_path / "plan.json", [
+        {"description": "links its log to a secret", "train": HONEST.replace("torch.manual_seed(0)\n",
+                                                                             "torch.manual_seed(0)\n" + link_log)},
+        {"description": "a FIFO for a result", "train": fifo}])))
+    run_loop(Settings(repo=repo, tag="files", budget=30.0, timeout=120.0, proposer="fakes:Scripted",
+                      baseline_repeats=0, startup_allowance=30.0, max_crashes=3), echo=lambda line: None)
+    rows = read_rows(repo / "results.tsv")
+    assert [r.status for r in rows] == ["keep", "crash", "crash"], rows
+    assert "hunter2" not in (repo / "results.tsv").read_text()
+    assert "hunter2" not in (repo / ".autoloop" / "files" / "runs" / "2" / "record.json").read_text()
+    assert "IndexError" in rows[2].description, rows[2]  # the evaluator's own words, in a result it wrote anew
+
+
+def test_a_local_corpus_is_hidden_from_training_unless_it_holds_the_repository(tmp_path):
+    """From a `--dataset DIR`'s source a run could rebuild the validation split: the training step's sandbox
+    hides it; never a directory holding the repository or the prepared data (that would hide the run itself)."""
+    from types import SimpleNamespace
+
+    from orchestrator.trial import corpus_source
+
+    corpus, repo, cache = tmp_path / "corpus", tmp_path / "repo", tmp_path / "cache"
+    for path in (corpus, repo, cache):
+        path.mkdir()
+
+    def ws(dataset):
+        return SimpleNamespace(info=SimpleNamespace(dataset=dataset, cache=str(cache)),
+                               settings=SimpleNamespace(repo=repo))
+
+    assert corpus_source(ws(str(corpus))) == (str(corpus),)
+    assert corpus_source(ws(str(tmp_path))) == ()  # holds the repository
+    assert corpus_source(ws("pystdlib")) == () and corpus_source(ws(None)) == ()

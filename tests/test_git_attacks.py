@@ -158,3 +158,18 @@ def test_your_own_commit_in_your_checkout_while_a_run_trains_is_kept(fake_repo, 
     rows = loop(repo, [{"description": "meanwhile you commit", "train": you + fakes.ok(0.9)}], tmp_path / "plan.json")
     assert [r.status for r in rows] == ["keep", "keep"], rows
     assert git.Repo(repo).head.commit.message.strip() == "my own work"
+
+
+def test_a_nested_repository_in_an_ignored_folder_does_not_carry_to_the_next_run(fake_repo, tmp_path, monkeypatch):
+    """git clean with one -f leaves an untracked nested repository alone, and `git status` does not list an
+    ignored one: a run could leave its weights in `build/.git`-holding folders for the next run in its slot
+    (training past the budget). The slot is cleaned with -ff."""
+    monkeypatch.setenv("AUTOLOOP_TEST_PLAN", str(tmp_path / "plan.json"))
+    repo = fake_repo(fakes.ok(1.0), {".gitignore": "build/\n__pycache__/\n"})
+    leave = ("import subprocess\nfrom pathlib import Path\nfor d in ('build', '__pycache__/stash'):\n"
+             "    subprocess.run(['git', 'init', '-q', d], check=True)\n    Path(d, 'weights.bin').write_text('w')\n")
+    find = ("from pathlib import Path\nfound = [str(p) for p in Path('.').rglob('weights.bin')]\n"
+            "if found:\n    raise SystemExit(f'carried over: {found}')\n")
+    rows = loop(repo, [{"description": "leaves weights in nested repositories", "train": leave + fakes.ok(0.9)},
+                       {"description": "finds them", "train": find + fakes.ok(0.8)}], tmp_path / "plan.json")
+    assert [r.status for r in rows] == ["keep", "keep", "keep"], rows
