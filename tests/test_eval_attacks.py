@@ -161,7 +161,15 @@ rewrite(edit)
 
 
 @pytest.mark.timeout(600)
-def test_forged_evaluations_are_refused_or_honest(tiny_env, tmp_path, monkeypatch):
+@pytest.mark.parametrize("sandbox", ["off", "on"])
+def test_forged_evaluations_are_refused_or_honest(tiny_env, tmp_path, monkeypatch, sandbox):
+    """Unconfined and in the sandbox (as root in CI): the defences of the metric do not depend on the mode."""
+    if sandbox == "on":
+        from orchestrator import confine
+
+        monkeypatch.delitem(confine._PROBE, "result", raising=False)  # the suite's default: unconfined
+        if problem := confine.sandbox_problem():
+            pytest.skip(f"no sandbox here: {problem}")
     for key in ("AUTOLOOP_CACHE", "AUTOLOOP_PROFILE", "AUTOLOOP_DEVICE"):
         monkeypatch.setenv(key, tiny_env[key])
     repo = tmp_path / "proj"
@@ -172,7 +180,7 @@ def test_forged_evaluations_are_refused_or_honest(tiny_env, tmp_path, monkeypatc
     plan = [{"description": name, "train": source} for name, source, _ in steps]
     monkeypatch.setenv("AUTOLOOP_TEST_PLAN", str(fakes.write_plan(tmp_path / "plan.json", plan)))
     run_loop(Settings(repo=repo, tag="forge", budget=30.0, proposer="fakes:Scripted", baseline_repeats=0,
-                      startup_allowance=30.0, max_crashes=len(steps) + 1), echo=lambda line: None)
+                      startup_allowance=30.0, max_crashes=len(steps) + 1, sandbox=sandbox), echo=lambda line: None)
     rows = read_rows(repo / "results.tsv")
     assert rows[0].status == "keep" and rows[0].description == "baseline", rows[0]
     baseline = rows[0].val_bpb
