@@ -88,11 +88,20 @@ BOS_TOKEN = "<|reserved_0|>"
 
 MIN_CORPUS_BYTES = 2_000_000  # below this a corpus is too small to train and evaluate on
 VAL_PERCENT, HOLDOUT_PERCENT = 10, 5  # document split by path hash: holdout | val | train
+# The offline corpora are the machine's own Python files, which a training run can read (it needs most of them
+# to run at all): split by hash, it rebuilt the validation split byte for byte from them and trained on it. So
+# there the documents scored come only from test-suite directories no training run imports (the standard
+# library's test/, packages' tests/), split by hash as above; the rest of the corpus is trained on, and the
+# sandbox hides those directories from the training step (manifest: "hidden_sources"). A Python with too little
+# of a test suite (Debian's, without its testsuite package) falls back to the hash split, with a warning.
+HELD_DIRS = frozenset({"test", "tests", "idle_test"})
+HELD_MIN_BYTES = 6_000_000  # of test suites: the scored 15% fill a cpu profile's evaluation
 TRAIN_SHARD_BYTES = 64 * 2**20  # text bytes per written train shard
 
-# Offline corpora every machine with Python has (documents: source files). pystdlib is small (~2.6M training
+# Offline corpora every machine with Python has (documents: source files). pystdlib is small (~7.6M training
 # tokens at the gpu profile's vocabulary): a smoke test on a GPU. pypackages holds tens of millions of tokens.
 OFFLINE = ("pystdlib", "pypackages")
+OFFLINE_SOURCES = {"pystdlib": "Python standard library", "pypackages": "installed packages' Python"}
 PYPACKAGES_MAX_FILE_BYTES = 1_000_000  # larger .py files are generated tables, not code
 
 # Online datasets: a base URL, training shard names and pinned validation shard names.
@@ -151,8 +160,11 @@ def sha256_file(path):
     return h.hexdigest()
 
 
-def split_of(name):
-    """Deterministic split of a document by the hash of its name: 'holdout', 'val' or 'train'."""
+def split_of(name, held=None):
+    """Deterministic split of a document by the hash of its name: 'holdout', 'val' or 'train'. With `held` (the
+    names under hidden test directories), only those can be scored; every other document is trained on."""
+    if held is not None and name not in held:
+        return "train"
     bucket = int(hashlib.sha256(name.encode()).hexdigest()[:8], 16) % 100
     if bucket < HOLDOUT_PERCENT:
         return "holdout"
@@ -162,12 +174,17 @@ def split_of(name):
 # Training reads its documents in this order. Sorted by path, a run's last steps fell on one directory's files
 # (similar, often repetitive), so where a run stopped decided its val_bpb: runs of one configuration that did 6%
 # more steps on a faster moment of the machine scored 3% worse. In a fixed pseudo-random order, every stretch
-# of the stream is a mix. (val and holdout keep their order: the evaluation reads a fixed prefix of them.)
-TRAIN_ORDER = "sha256 of 'train order' and the name"
+# of the stream is a mix. val and holdout are mixed the same way (with another key): the evaluation reads a
+# fixed prefix of them, which in name order would be one directory's files.
+TRAIN_ORDER = "sha256 of 'train order' and the name; val/holdout: of 'eval order'; held: test directories"
 
 
 def train_position(name):
     return hashlib.sha256(b"train order\0" + name.encode()).digest()
+
+
+def eval_position(name):
+    return hashlib.sha256(b"eval order\0" + name.encode()).digest()
 
 
 def write_parquet_atomic(path, texts):
@@ -182,7 +199,8 @@ def write_parquet_atomic(path, texts):
 
 
 def _python_documents(roots, skip=(), max_bytes=None):
-    """(relative path, text) of the .py files under roots, sorted by path; unreadable files are skipped."""
+    """(relative path, text, held directory or None) of the .py files under roots, sorted by path; the held
+    directory is the outermost test-suite directory (HELD_DIRS) the file lies in. Unreadable files are skipped."""
     docs, seen = [], set()
     for root in roots:
         root = Path(root)
@@ -190,10 +208,12 @@ def _python_documents(roots, skip=(), max_bytes=None):
             rel = path.relative_to(root)
             if set(skip).intersection(rel.parts[:-1]) or rel.as_posix() in seen:
                 continue
+            held = next((str(root.joinpath(*rel.parts[:i + 1])) for i, part in enumerate(rel.parts[:-1])
+                         if part in HELD_DIRS), None)
             try:
                 if max_bytes and path.stat().st_size > max_bytes:
                     continue
-                docs.append((rel.as_posix(), path.read_text(encoding="utf-8")))
+                docs.append((rel.as_posix(), path.read_text(encoding="utf-8"), held))
                 seen.add(rel.as_posix())
             except (OSError, UnicodeDecodeError):
                 continue
@@ -201,19 +221,34 @@ def _python_documents(roots, skip=(), max_bytes=None):
 
 
 def pystdlib_documents():
-    """(relative path, text) of the running Python's standard library sources, sorted by path."""
+    """(relative path, text, held directory) of the running Python's standard library sources, sorted by path."""
     return _python_documents([sysconfig.get_paths()["stdlib"]],
-                             skip={"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
+                             skip={"site-packages", "dist-packages", "__pycache__"})
 
 
 def pypackages_documents():
-    """(relative path, text) of the Python sources of every installed package (site-packages), sorted by path."""
+    """(relative path, text, held directory) of the Python sources of every installed package (site-packages)."""
     import site
 
     roots = {os.path.realpath(p) for p in [*site.getsitepackages(), site.getusersitepackages(),
                                            sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]}
     return _python_documents(sorted(r for r in roots if os.path.isdir(r)), skip={"__pycache__"},
                              max_bytes=PYPACKAGES_MAX_FILE_BYTES)
+
+
+def held_out_of_reach(documents, source):
+    """(docs, held names or None, hidden directories) for an offline corpus: scored only on the test-suite files
+    when there are enough of them (the sandbox hides their directories from training), else the hash split."""
+    docs = [(name, text) for name, text, _ in documents]
+    held = {name: where for name, text, where in documents if where}
+    size = sum(len(text) for name, text, where in documents if where)
+    if size < HELD_MIN_BYTES:
+        log(f"warning: this Python has only {size / 1e6:.2f} MB of test suites (need {HELD_MIN_BYTES / 1e6:.1f}), "
+            f"so the {source} corpus is split by hash and a training run can read the source files of its "
+            "validation split (and train on them). Install the test suite (Debian: libpython3-testsuite) or use "
+            "--dataset /path/to/dir, whose source the sandbox hides")
+        return docs, None, []
+    return docs, set(held), sorted(set(held.values()))
 
 
 def local_documents(directory):
@@ -244,8 +279,9 @@ def fingerprint(docs):
     return h.hexdigest()
 
 
-def write_document_splits(docs, source):
-    """Split documents by name hash and write train shards, val.parquet and holdout.parquet."""
+def write_document_splits(docs, source, held=None, hidden=()):
+    """Split documents by name hash (`held`: see split_of) and write train shards, val.parquet and holdout.parquet;
+    `hidden`: the directories of the held documents, recorded for the sandbox."""
     total = sum(len(t.encode("utf-8", "replace")) for _, t in docs)
     if total < MIN_CORPUS_BYTES:
         sys.exit(
@@ -259,14 +295,23 @@ def write_document_splits(docs, source):
     if record.exists():  # another profile already wrote these splits from the same corpus: reuse them
         previous = json.loads(record.read_text())
         hashes = previous.get("sha256", {})
-        if previous["fingerprint"] == digest and previous.get("train_order") == TRAIN_ORDER and hashes and all(
+        if previous["fingerprint"] == digest and previous.get("train_order") == TRAIN_ORDER and hashes and \
+                previous.get("hidden_sources") == list(hidden) and all(
                 (DATA_DIR / rel).exists() and sha256_file(DATA_DIR / rel) == h for rel, h in hashes.items()):
             log(f"Data: {len(docs)} documents already split in {DATA_DIR}")
             return previous
     splits = {"train": [], "val": [], "holdout": []}
     for name, text in docs:
-        splits[split_of(name)].append((name, text))
+        splits[split_of(name, held)].append((name, text))
     splits["train"].sort(key=lambda doc: train_position(doc[0]))
+    seen = {text for _, text in splits["train"]}
+    for key in ("val", "holdout"):  # a text also trained on (or scored twice) is not scored: copies of a file
+        scored = []
+        for name, text in sorted(splits[key], key=lambda doc: eval_position(doc[0])):
+            if text.strip() and text not in seen:
+                scored.append((name, text))
+                seen.add(text)
+        splits[key] = scored
     splits = {key: [text for _, text in named] for key, named in splits.items()}
     shards, current, size = [], [], 0
     for text in splits["train"]:
@@ -289,6 +334,7 @@ def write_document_splits(docs, source):
         "holdout": ["holdout.parquet"],
         "fingerprint": digest,
         "train_order": TRAIN_ORDER,
+        "hidden_sources": list(hidden),
     }
     files = [rel for key in ("train", "val", "holdout") for rel in result[key]]
     record.write_text(json.dumps({**result, "sha256": {rel: sha256_file(DATA_DIR / rel) for rel in files}}, indent=1))
@@ -534,6 +580,7 @@ def write_manifest(splits):
                       "HOLDOUT_TOKENS": HOLDOUT_TOKENS},
         "fingerprint": splits["fingerprint"],
         "splits": {k: splits[k] for k in ("train", "val", "holdout")},
+        "hidden_sources": splits.get("hidden_sources", []),  # what the training step must not read
         "prepare_sha256": sha256_file(__file__),
         "files": {rel: sha256_file(path) for rel, path in manifest_files(splits).items()},
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -581,10 +628,10 @@ def prepare(dataset=DATASET, num_shards=None, base_url=None, force=False):
     if MANIFEST_PATH.exists() and not force and not verify_manifest():
         log(f"Already prepared and verified: {MANIFEST_PATH}")
         return load_manifest()
-    if dataset == "pystdlib":
-        splits = write_document_splits(pystdlib_documents(), "Python standard library")
-    elif dataset == "pypackages":
-        splits = write_document_splits(pypackages_documents(), "installed packages' Python")
+    if dataset in OFFLINE:
+        docs, held, hidden = held_out_of_reach(
+            pystdlib_documents() if dataset == "pystdlib" else pypackages_documents(), dataset)
+        splits = write_document_splits(docs, OFFLINE_SOURCES[dataset], held, hidden)
     elif dataset in ONLINE:
         splits = prepare_online(dataset, base_url=base_url, num_shards=num_shards)
     else:
@@ -599,7 +646,7 @@ def prepare(dataset=DATASET, num_shards=None, base_url=None, force=False):
     return manifest
 
 
-SMOKE_TEST_WARNING = ("warning: pystdlib holds ~2.6M training tokens, which a GPU sees ~150 times in 5 minutes: "
+SMOKE_TEST_WARNING = ("warning: pystdlib holds ~7.6M training tokens, which a GPU sees ~50 times in 5 minutes: "
                       "val_bpb then measures memorisation. Use it as a smoke test; for research use climbmix, "
                       "pypackages or a directory of your own text (--dataset)")
 

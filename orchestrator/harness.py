@@ -102,6 +102,16 @@ def manifest_digest(manifest_path: Path) -> str:
                           .encode()).hexdigest()
 
 
+def scored_on_readable_sources(manifest_path: Path) -> bool:
+    """An offline corpus (the machine's own Python files) prepared without test suites to score on: the run can
+    read the sources of its validation split (prepare.py: held_out_of_reach)."""
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError):
+        return False
+    return manifest.get("dataset") in ("pystdlib", "pypackages") and not manifest.get("hidden_sources")
+
+
 def verify(manifest_path: Path, prepare_py: Path | None = None) -> list[str]:
     """Problems of the prepared files against the manifest (controller-side hashing); [] when all match.
     With prepare_py: also whether that prepare.py is the one that prepared them (an older one sized the data

@@ -7,6 +7,7 @@ What counts is the harness's measurement of the saved model, never the number tr
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import site
 import statistics
@@ -125,9 +126,9 @@ def build_job(ws, workdir: Path, run_dir: Path) -> Job:
 
 def corpus_source(ws) -> tuple[str, ...]:
     """A local corpus (`--dataset DIR`): the training step needs only the prepared shards, and from the source
-    it could rebuild the validation split. (Not the offline corpora made of the machine's own Python files: a
-    run needs those to run at all; README: threat model.) Never a directory that holds the repository or the
-    prepared data."""
+    it could rebuild the validation split. (The offline corpora, made of the machine's own Python files that a
+    run needs to run at all, are scored on test suites only, hidden through the manifest: evaluation_data.)
+    Never a directory that holds the repository or the prepared data."""
     dataset = Path(str(ws.info.dataset or "")).expanduser()
     if not dataset.is_absolute() or not dataset.is_dir():
         return ()
@@ -138,10 +139,13 @@ def corpus_source(ws) -> tuple[str, ...]:
 
 
 def evaluation_data(manifest: Path | None) -> tuple[str, ...]:
-    """The validation and held-out files of the prepared data (the sandbox hides them from the training step)."""
+    """The validation and held-out files of the prepared data, and the directories of an offline corpus's sources
+    they were made from (the sandbox hides them from the training step)."""
     try:
-        splits = json.loads(manifest.read_text())["splits"]
-        return tuple(str(manifest.parent / "data" / rel) for key in ("val", "holdout") for rel in splits[key])
+        recorded = json.loads(manifest.read_text())
+        splits = recorded["splits"]
+        files = tuple(str(manifest.parent / "data" / rel) for key in ("val", "holdout") for rel in splits[key])
+        return files + tuple(str(path) for path in recorded.get("hidden_sources", ()) if os.path.isabs(str(path)))
     except (AttributeError, OSError, ValueError, KeyError, TypeError):
         return ()  # a harness without a manifest (upstream's): nothing known to hide
 

@@ -114,6 +114,10 @@ class Workspace:
                       "its output, which an edit could forge; update prepare.py from autoloop's")
         if self.info.profile == "gpu" and self.info.dataset == "pystdlib" and self.info.smoke_warning:
             self.echo(f"autoloop: {self.info.smoke_warning}")
+        if self.info.manifest is not None and harness.scored_on_readable_sources(self.info.manifest):
+            self.echo(f"autoloop: note: the {self.info.dataset} corpus was split without test suites to score on, "
+                      "so a run can read the sources of its validation split and train on them (README: threat "
+                      "model); install this Python's test suite and run prepare.py --force, or use --dataset DIR")
         self.prepare_sha = harness.sha256_file(pinned) if pinned.exists() else ""
         if self.info.manifest is not None:  # the evaluation refuses data that differs from what was pinned
             self.manifest_digest = self.env["AUTOLOOP_MANIFEST_DIGEST"] = harness.manifest_digest(self.info.manifest)

@@ -11,6 +11,12 @@ evaluation's own batches.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import re
+from pathlib import Path
+
+import pyarrow.parquet as pq
 import pytest
 
 import fakes
@@ -228,7 +234,8 @@ def test_the_real_model_passes_the_evaluations_checks(tiny_env, tmp_path, device
 @pytest.mark.timeout(300)
 def test_the_training_step_cannot_read_what_it_is_scored_on(tiny_env, tmp_path, monkeypatch):
     """In the sandbox the validation and held-out files read as empty to train.py (only the evaluation gets them);
-    the evaluation still scores them."""
+    the evaluation still scores them. Nor can the run rebuild the validation split from the offline corpus's
+    sources, which it can read (the standard library): those scored are in test suites, hidden from it."""
     from orchestrator import confine
 
     monkeypatch.delitem(confine._PROBE, "result", raising=False)  # the suite's default: unconfined
@@ -241,6 +248,11 @@ import prepare as _p
 for _split in ("v" + "al", "hold" + "out"):
     _size = sum(len(open(f, "rb").read()) for f in getattr(_p, "_split_" + "files")(_split))
     print(f"peek {_split}: {_size} bytes", flush=True)
+_docs, _held, _ = _p.held_out_of_reach(_p.pystdlib_documents(), "pystdlib")
+_pick = sorted((n for n, _t in _docs if _p.split_of(n, _held) == "v" + "al"), key=_p.eval_position)
+_text = dict(_docs)
+print("rebuilt split", __import__("hashlib").sha256("\\0".join(_text[n] for n in _pick).encode()).hexdigest(),
+      flush=True)
 ''')
     repo = tmp_path / "proj"
     make_repo(repo, {"prepare.py": (ROOT / "prepare.py").read_text(), "train.py": HONEST,
@@ -253,6 +265,13 @@ for _split in ("v" + "al", "hold" + "out"):
     assert [r.status for r in rows][:1] == ["keep"] and len(rows) == 2, rows
     log = (repo / ".autoloop" / "peek" / "runs" / "2" / "run.log").read_text()
     assert "peek val: 0 bytes" in log and "peek holdout: 0 bytes" in log, log[-2000:]
+    manifest = json.loads(next(Path(tiny_env["AUTOLOOP_CACHE"]).glob("*/manifest-tiny.json")).read_text())
+    val = pq.read_table(Path(tiny_env["AUTOLOOP_CACHE"]) / "pystdlib" / "data" / "val.parquet")
+    truth = hashlib.sha256("\0".join(val.column("text").to_pylist()).encode()).hexdigest()
+    rebuilt = re.search(r"rebuilt split ([0-9a-f]{64})", log)
+    assert rebuilt, log[-2000:]
+    if manifest["hidden_sources"]:  # a Python with a test suite (else prepare.py warned: README, threat model)
+        assert rebuilt.group(1) != truth
     assert rows[1].status in ("keep", "discard") and rows[1].val_bpb > 0, rows[1]
 
 

@@ -29,24 +29,35 @@ def run_py(code: str, env: dict, cwd: Path = ROOT) -> str:
 
 
 def test_split_is_deterministic_and_disjoint(tiny_env):
-    out = run_py("""
+    """The offline default is scored on the standard library's test suites only (a run can read the rest, which
+    it needs to run): val and holdout documents all lie in the directories hidden from the training step."""
+    code = """
 import json, prepare
-names = [d for d, _ in prepare.pystdlib_documents()]
-splits = {n: prepare.split_of(n) for n in names}
+docs, held, hidden = prepare.held_out_of_reach(prepare.pystdlib_documents(), 'pystdlib')
+splits = {n: prepare.split_of(n, held) for n, _ in docs}
+"""
+    out = run_py(code + """
+import pyarrow.parquet as pq
 texts = {s: set(pq.read_table(p).column('text').to_pylist()) for s, p in
          [(s, prepare.DATA_DIR / f) for s, fs in prepare.load_manifest()['splits'].items() for f in fs]}
-print(json.dumps({'splits': splits, 'sizes': {s: len(t) for s, t in texts.items()},
+print(json.dumps({'splits': splits, 'sizes': {s: len(t) for s, t in texts.items()}, 'hidden': hidden,
+                  'recorded': prepare.load_manifest()['hidden_sources'],
                   'overlap': len(texts['train'] & texts['val']) + len(texts['val'] & texts['holdout'])
                              + len(texts['train'] & texts['holdout'])}))
-""".replace("import json, prepare", "import json, prepare\nimport pyarrow.parquet as pq"), tiny_env)
+""", tiny_env)
     first = json.loads(out)
-    second = json.loads(run_py("import json, prepare; print(json.dumps({n: prepare.split_of(n) for n, _ in "
-                               "prepare.pystdlib_documents()}))", tiny_env))
+    second = json.loads(run_py(code + "print(json.dumps(splits))", tiny_env))
     assert first["splits"] == second  # stable across processes
     counts = {s: list(first["splits"].values()).count(s) for s in ("train", "val", "holdout")}
-    assert counts["val"] > 0 and counts["holdout"] > 0 and counts["train"] > 5 * counts["val"]
+    assert counts["val"] > 0 and counts["holdout"] > 0 and counts["train"] > 100
     assert first["overlap"] == 0  # no document text in two splits
     assert first["sizes"]["val"] > 0
+    if not first["hidden"]:
+        pytest.skip("this Python has no test suite: the offline corpus falls back to the hash split")
+    assert first["recorded"] == first["hidden"] and all(Path(d).is_dir() for d in first["hidden"])
+    scored = {n for n, s in first["splits"].items() if s != "train"}
+    in_tests = {n for n in first["splits"] if {"test", "tests", "idle_test"} & set(n.split("/")[:-1])}
+    assert scored and scored <= in_tests  # scored: only the test suites' files
 
 
 def test_manifest_records_fingerprint_and_constants(tiny_env):
@@ -119,8 +130,9 @@ def test_local_directory_dataset(tmp_path):
 
 def test_training_reads_documents_in_a_fixed_mixed_order(tmp_path):
     """Train shards hold their documents in a fixed pseudo-random order (sorted by path, a run's last steps fell
-    on one directory's files and where it stopped decided its score); val and holdout keep name order (the
-    evaluation reads a fixed prefix). Data split in the old order is written again."""
+    on one directory's files and where it stopped decided its score); val and holdout are mixed too, with another
+    key (the evaluation reads a fixed prefix, which in name order is one directory's). Data split in an old
+    order is written again."""
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     rng = random.Random(1)
@@ -142,10 +154,11 @@ import pyarrow.parquet as pq
 splits = prepare.load_manifest()['splits']
 read = lambda key: [t.split()[0] for f in splits[key] for t in pq.read_table(prepare.DATA_DIR / f).column('text').to_pylist()]
 print(json.dumps({'train': read('train'), 'val': read('val'), 'record': str(prepare.DATA_DIR / 'splits.json'),
-                  'expected': sorted(read('train'), key=lambda n: prepare.train_position(n + '.txt'))}))
+                  'expected': sorted(read('train'), key=lambda n: prepare.train_position(n + '.txt')),
+                  'expected_val': sorted(read('val'), key=lambda n: prepare.eval_position(n + '.txt'))}))
 """, dict(env, AUTOLOOP_DATASET=str(corpus))))
     assert len(out["train"]) > 150 and out["train"] == out["expected"] and out["train"] != sorted(out["train"])
-    assert out["val"] == sorted(out["val"])
+    assert out["val"] == out["expected_val"] != sorted(out["val"])
     record = Path(out["record"])
     assert "already split" in prepare("--force")  # the same corpus in the same order: reused
     old = json.loads(record.read_text())
@@ -445,3 +458,29 @@ def test_controller_reprepares_data_made_by_another_prepare_py(tiny_env, tmp_pat
     assert harness.verify(manifest, other) == ["the data was prepared by another prepare.py"]
     assert harness.manifest_digest(manifest) == run_py(
         "import prepare; print(prepare.manifest_digest(prepare.load_manifest()))", tiny_env).split()[-1]
+
+
+def test_a_python_without_its_test_suite_falls_back_to_the_hash_split_and_says_so(tiny_env, tmp_path):
+    """Debian's Python ships without most of its test suite: too little to score on, so the offline corpus is
+    split by hash (its validation sources readable by a run), with a warning; the controller repeats it."""
+    out = run_py("""
+import json, prepare
+docs = [(f"pkg/m{i}.py", "x = 1\\n" * 50, None) for i in range(5)] + [("test/t.py", "y = 2\\n", "/py/test")]
+plain, held, hidden = prepare.held_out_of_reach(docs, "pystdlib")
+print(json.dumps([len(plain), held, hidden]))
+big = [("test/t%d.py" % i, "z = %d\\n" % i * 20000, "/py/test") for i in range(60)]
+print(json.dumps(prepare.held_out_of_reach(docs + big, "pystdlib")[2]))
+""", tiny_env)
+    assert "warning: this Python has only" in out and "libpython3-testsuite" in out
+    lines = [line for line in out.splitlines() if line.startswith("[")]
+    assert json.loads(lines[0]) == [6, None, []] and json.loads(lines[1]) == ["/py/test"]
+
+    from orchestrator.harness import scored_on_readable_sources
+
+    manifest = tmp_path / "manifest.json"
+    for recorded, readable in [({"dataset": "pystdlib", "hidden_sources": []}, True),
+                               ({"dataset": "pypackages"}, True),  # prepared by an older prepare.py
+                               ({"dataset": "pystdlib", "hidden_sources": ["/py/test"]}, False),
+                               ({"dataset": "climbmix", "hidden_sources": []}, False)]:
+        manifest.write_text(json.dumps(recorded))
+        assert scored_on_readable_sources(manifest) is readable, recorded
