@@ -16,10 +16,10 @@ import time
 from pathlib import Path
 
 from orchestrator.contract import make_git_repo
-from orchestrator.ledger import read_record, read_rows
+from orchestrator.store.ledger import read_record, read_rows
 from orchestrator.loop import Settings, run_loop
 from orchestrator.proposers import Proposal, Proposer
-from orchestrator.session import Paths
+from orchestrator.store.session import Paths
 
 ROOT = Path(__file__).resolve().parent.parent
 HOBBLE = ("MATRIX_LR = 0.04", "MATRIX_LR = 0.004")

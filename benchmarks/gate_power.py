@@ -1,4 +1,4 @@
-"""The keep gate's false-keep rate and power, simulated with its own code (orchestrator/noise.py).
+"""The keep gate's false-keep rate and power, simulated with its own code (orchestrator/core/noise.py).
 
 Each candidate has normal noise (σ = 1) and a true gain (0: a no-op; 2: a real gain of 2 σ; -1: worse) over a
 best measured `--best-runs` times, with `--others` other configurations of 2-3 runs measured (they give the
@@ -20,8 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from orchestrator import noise  # noqa: E402
-from orchestrator.noise import Gate, judge, parent_first  # noqa: E402
+from orchestrator.core import noise# noqa: E402
+from orchestrator.core.noise import Gate, judge, parent_first  # noqa: E402
 
 
 def candidate(gain: float, gate: Gate, rng: random.Random, others: int, best_runs: int) -> tuple[bool, int]:

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import os
 
-from orchestrator.ledger import read_record
+from orchestrator.store.ledger import read_record
 from orchestrator.loop import Settings, run_loop
 from orchestrator.proposers.perturb import PerturbProposer
-from orchestrator.session import Paths
+from orchestrator.store.session import Paths
 
 
 class SlowProposer(PerturbProposer):
@@ -80,7 +80,7 @@ def session(args, workers: int, experiments: int, sandbox: str = "off", fingerpr
         state = run_loop(settings, echo=lambda line: None)
         wall = time.monotonic() - t0
         if fingerprint is not None:
-            from orchestrator.workspace import Workspace
+            from orchestrator.core.workspace import Workspace
             ws = Workspace(settings, lambda line: None)
             t = time.perf_counter()
             for _ in range(20):
@@ -119,7 +119,7 @@ def main() -> None:
     single = 3600 * len(records) / wall
     print(f"experiments per hour:         {single:.1f} (1 slot)")
     if args.confinement:
-        from orchestrator.confine import sandbox_problem
+        from orchestrator.trust.confine import sandbox_problem
 
         if problem := sandbox_problem():
             print(f"confinement:                  not measured: {problem}")

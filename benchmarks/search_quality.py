@@ -34,10 +34,10 @@ from pathlib import Path
 import git
 
 from orchestrator.contract import make_git_repo
-from orchestrator.ledger import read_record, read_rows
+from orchestrator.store.ledger import read_record, read_rows
 from orchestrator.loop import Settings, run_loop
-from orchestrator.noise import Gate
-from orchestrator.session import Paths
+from orchestrator.core.noise import Gate
+from orchestrator.store.session import Paths
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -57,7 +57,7 @@ def surrogate_session(job: tuple) -> dict:
     os.environ.setdefault("AUTOLOOP_PROGRESS_SECONDS", "1e9")  # one result per session, not the loop's live line
     sys.path[:0] = [str(ROOT / "benchmarks" / "surrogate"), str(ROOT / "benchmarks")]
     from fake import fake_train
-    from orchestrator.state import Status, group_of, replay
+    from orchestrator.core.state import Status, group_of, replay
 
     base = Path(where) / f"{method.replace(':', '.')}-{gate}-{seed}"
     base.mkdir(parents=True)
@@ -247,7 +247,7 @@ def main() -> None:
     if args.surrogate:
         args.methods = args.methods or "search,random,tpe,cmaes,perturb"
         return surrogate_main(args)
-    from orchestrator.state import group_of
+    from orchestrator.core.state import group_of
 
     methods = (args.methods or "search,random,tpe").split(",")
     per_seed: list[dict] = []

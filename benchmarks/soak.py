@@ -384,9 +384,9 @@ class Soak:
             time.sleep(0.2)
 
     def verdict(self) -> dict:
-        from orchestrator.ledger import read_record
-        from orchestrator.session import Paths
-        from orchestrator.state import load_state
+        from orchestrator.store.ledger import read_record
+        from orchestrator.store.session import Paths
+        from orchestrator.core.state import load_state
 
         n = self.args.experiments
         paths = Paths(self.repo, TAG)

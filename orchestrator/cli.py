@@ -171,8 +171,8 @@ def run(ctx: click.Context, **values) -> None:
 
 def settings_from(ctx: click.Context, values: dict):
     """The run's Settings from its options, [tool.autoloop] filling what the command line and env left unset."""
-    from .noise import Gate
-    from .settings import Settings
+    from .core.noise import Gate
+    from .core.settings import Settings
 
     repo = resolve_repo(values.pop("repo"))
     values = apply_pyproject(ctx, values, repo)
@@ -273,7 +273,7 @@ def init(directory: Path, existing: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
 def status(repo: Path, tag: str | None, as_json: bool) -> None:
     """Show where a loop stands: running or not, experiments done, the best result, the current experiment."""
-    from .status import collect, render
+    from .views.status import collect, render
 
     repo = resolve_repo(repo)
     try:
@@ -284,7 +284,7 @@ def status(repo: Path, tag: str | None, as_json: bool) -> None:
 
 
 def session_paths(repo: Path, tag: str | None):
-    from .session import Paths, latest_tag
+    from .store.session import Paths, latest_tag
 
     repo = resolve_repo(repo)
     tag = tag or latest_tag(repo)
@@ -302,8 +302,8 @@ def session_paths(repo: Path, tag: str | None):
               help="Where progress.png and report.md go.  [default: the repo root]")
 def report(repo: Path, tag: str | None, as_json: bool, out: Path | None) -> None:
     """Summarise a session: progress.png, report.md (or --json). Makes the held-out check if it is missing."""
-    from .holdout import for_report
-    from .report import facts, write_report
+    from .core.holdout import for_report
+    from .views.report import facts, write_report
 
     repo, paths = session_paths(repo, tag)
     try:
@@ -328,7 +328,7 @@ def report(repo: Path, tag: str | None, as_json: bool, out: Path | None) -> None
 @click.option("--limit", type=click.IntRange(min=1), help="Only the last N rows.")
 def results(repo: Path, tag: str | None, status_: str | None, limit: int | None) -> None:
     """List a session's rows as a readable table."""
-    from .report import table
+    from .views.report import table
 
     _, paths = session_paths(repo, tag)
     click.echo(table(paths, status_, limit))
@@ -361,10 +361,10 @@ def queue() -> None:
 @repo_option
 def queue_add(description: str, assignments: tuple[str, ...], patch, repo: Path) -> None:
     """Append an idea: DESCRIPTION plus either --set NAME=VALUE ... or --patch FILE."""
-    from .gitops import open_repo
-    from .hparams import read_constants
-    from .queue import Queue, parse_assignment
-    from .session import Paths
+    from .store.gitops import open_repo
+    from .store.hparams import read_constants
+    from .proposers.queue import Queue, parse_assignment
+    from .store.session import Paths
 
     if bool(assignments) == bool(patch):
         raise click.UsageError("give either --set NAME=VALUE (one or more) or --patch FILE")
@@ -391,8 +391,8 @@ def queue_add(description: str, assignments: tuple[str, ...], patch, repo: Path)
 @repo_option
 def queue_list(repo: Path) -> None:
     """Show the ideas still waiting, in the order they will run."""
-    from .queue import Queue
-    from .session import Paths
+    from .proposers.queue import Queue
+    from .store.session import Paths
 
     pending = Queue(Paths(resolve_repo(repo), "_").queue).pending()
     if not pending:
@@ -407,8 +407,8 @@ def queue_list(repo: Path) -> None:
 @repo_option
 def queue_rm(idea_id: int, repo: Path) -> None:
     """Remove a waiting idea by its number."""
-    from .queue import Queue
-    from .session import Paths
+    from .proposers.queue import Queue
+    from .store.session import Paths
 
     if not Queue(Paths(resolve_repo(repo), "_").queue).remove(idea_id):
         raise click.ClickException(f"no waiting idea #{idea_id}; see `autoloop queue list`")

@@ -18,9 +18,9 @@ from typing import Callable
 import psutil
 
 from .executors import Executor, Job, wait_any
-from .ledger import read_record, read_rows
+from .store.ledger import read_record, read_rows
 from .loop import Settings, run_loop
-from .session import Paths
+from .store.session import Paths
 
 FAKE_TRAIN = '''"""A fake train.py: val_bpb is a bowl over the constants; WIDTH >= 512 runs out of memory."""
 import math

@@ -22,9 +22,12 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import LoopError, gitops, gpu, harness
-from .hparams import read_constants
-from .settings import Settings
+from . import LoopError
+from .store import gitops
+from .executors import gpu
+from .trust import harness
+from .store.hparams import read_constants
+from .core.settings import Settings
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 EXTRAS = {"llm": "openai", "cmaes": "cmaes", "ray": "ray", "mlflow": "mlflow", "wandb": "wandb"}
@@ -306,7 +309,7 @@ def check_proposer(settings: Settings, info) -> Finding:
     """The proposer loads and accepts its options (a model name, an API key, an agent command), as the loop
     makes it before experiment 1; nothing is asked of it."""
     from .proposers import Context, load
-    from .spend import Spend
+    from .store.spend import Spend
 
     try:
         cls = load(settings.proposer)

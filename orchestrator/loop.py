@@ -16,23 +16,24 @@ import time
 from collections import Counter
 from typing import Callable, Iterator
 
-from . import LoopError, gitops
+from . import LoopError
+from .store import gitops
 from .doctor import preflight
 from .executors import Executor, make_executor
-from .holdout import due, holdout_check
-from .judge import Finished, decide
-from .ledger import Record
-from .noise import load_statistics, significant_lines
-from .plan import Ideas, plan
-from .progress import Progress
+from .core.holdout import due, holdout_check
+from .core.judge import Finished, decide
+from .store.ledger import Record
+from .core.noise import load_statistics, significant_lines
+from .core.plan import Ideas, plan
+from .core.progress import Progress
 from .proposers import Context, load
-from .session import Lock, write_status
-from .settings import Settings
-from .spend import Spend
-from .state import Cause, State, Status, group_of
-from .tracking import Trackers
-from .trial import Run, run_generation
-from .workspace import SessionChanged, Workspace
+from .store.session import Lock, write_status
+from .core.settings import Settings
+from .store.spend import Spend
+from .core.state import Cause, State, Status, group_of
+from .trackers.base import Trackers
+from .core.trial import Run, run_generation
+from .core.workspace import SessionChanged, Workspace
 
 __all__ = ["Settings", "Terminated", "run_loop"]
 

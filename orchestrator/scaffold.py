@@ -15,7 +15,8 @@ from pathlib import Path
 
 import git
 
-from . import LoopError, __version__, gitops
+from . import LoopError, __version__
+from .store import gitops
 
 try:
     import tomllib

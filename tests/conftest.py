@@ -38,7 +38,7 @@ def unconfined(monkeypatch, request):
     if request.module.__name__ in CONFINED:
         return
     monkeypatch.setenv("AUTOLOOP_SANDBOX", "off")  # `autoloop` in a subprocess
-    from orchestrator import confine
+    from orchestrator.trust import confine
 
     monkeypatch.setitem(confine._PROBE, "result", "the test suite runs unconfined")  # run_loop in this process
 

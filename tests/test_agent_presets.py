@@ -18,11 +18,11 @@ import pytest
 import fakes
 from conftest import TESTS, subprocess_env
 from fake_openai import FakeOpenAI
-from orchestrator import LoopError, gitops
-from orchestrator.ledger import read_record, read_rows
+from orchestrator import LoopError; from orchestrator.store import gitops
+from orchestrator.store.ledger import read_record, read_rows
 from orchestrator.loop import Settings, run_loop
 from orchestrator.proposers.agent import DESCRIPTION, agent_argv, read_json_output
-from orchestrator.session import Paths
+from orchestrator.store.session import Paths
 
 # The aider preset before this fix: its history file made every idea a crash row, and --yes-always said yes to
 # analytics and to a self-upgrade that exits.

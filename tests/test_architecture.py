@@ -1,5 +1,5 @@
-"""The controller's shape: calls go downward. No orchestrator module imports one that imports it back (directly
-or through others), and none needs a TYPE_CHECKING back-reference to do so."""
+"""The package tree is the architecture: layers, lowest first, and every import goes downward (or stays within
+its layer). Parsed from the source, function-level imports included, so a lazy import cannot hide an edge."""
 
 from __future__ import annotations
 
@@ -9,91 +9,74 @@ from pathlib import Path
 from conftest import ROOT
 
 PACKAGE = ROOT / "orchestrator"
+# lowest first; a module may import from its own layer and the layers below it
+LAYERS = ["store", "trust", "executors", "proposers", "core", "views", "trackers", "entry"]
+SHARED = {"orchestrator", "orchestrator.plugins"}  # LoopError and the plugin loader: importable from anywhere
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+def layer_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) >= 2 and parts[1] in LAYERS[:-1] else "entry"
 
 
-def imports(path: Path, modules: set[str]) -> set[str]:
-    """The orchestrator modules a file imports, anywhere in it (function-level imports too)."""
-    name = module_name(path)
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if "template" in path.parts:
+            continue
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+def imports_of(module: str, path: Path) -> set[str]:
+    """The orchestrator modules `module` imports (a `from pkg import name` counts name when it is a module)."""
+    known = modules()
+    is_package = path.name == "__init__.py"
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.split(".")[0] == "orchestrator"}
+            found.update(a.name for a in node.names if a.name.startswith("orchestrator"))
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
             if node.level:
-                anchor = package.split(".")
-                anchor = anchor[:len(anchor) - (node.level - 1)]
-                base = ".".join([*anchor, *([base] if base else [])])
-            if base.split(".")[0] != "orchestrator":
+                base = module.split(".") if is_package else module.split(".")[:-1]
+                base = base[:len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            elif (node.module or "").startswith("orchestrator"):
+                target = node.module
+            else:
                 continue
-            for alias in node.names:
-                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
-    return {m for m in found if m in modules and m != name}
+            names = [f"{target}.{a.name}" for a in node.names]
+            found.update(name for name in names if name in known)
+            if not any(name in known for name in names):
+                found.add(target)
+    return {name for name in found if name != module}
 
 
-def graph() -> dict[str, set[str]]:
-    files = sorted(PACKAGE.rglob("*.py"))
-    modules = {module_name(p) for p in files}
-    return {module_name(p): imports(p, modules) for p in files}
+def test_the_layers_are_packages_and_every_import_goes_downward():
+    found = modules()
+    assert set(LAYERS[:-1]) <= {m.split(".")[1] for m in found if m.count(".") >= 1}, "a layer package is missing"
+    upward = []
+    for module, path in found.items():
+        mine = LAYERS.index(layer_of(module))
+        for target in imports_of(module, path):
+            if target in SHARED or target.split(".")[0] != "orchestrator":
+                continue
+            if LAYERS.index(layer_of(target)) > mine:
+                upward.append(f"{module} ({layer_of(module)}) imports {target} ({layer_of(target)})")
+    assert not upward, "imports that climb a layer:\n" + "\n".join(upward)
 
 
-def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components with more than one module (Tarjan)."""
-    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
-
-    def visit(v):
-        index[v] = low[v] = counter[0]
-        counter[0] += 1
-        stack.append(v)
-        on.add(v)
-        for w in edges.get(v, ()):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                component.append(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                out.append(sorted(component))
-
-    for v in sorted(edges):
-        if v not in index:
-            visit(v)
-    return out
+def test_the_shared_modules_import_nothing_of_the_package():
+    found = modules()
+    for module in SHARED:
+        assert imports_of(module, found[module]) <= SHARED, module
 
 
-def test_no_module_imports_one_that_imports_it_back():
-    edges = graph()
-    assert "orchestrator.loop" in edges and "orchestrator.state" in edges["orchestrator.loop"]
-    assert cycles(edges) == []
-
-
-def test_the_cycle_check_finds_a_cycle():
-    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
-
-
-def test_no_type_checking_back_references():
-    users = [p.name for p in PACKAGE.rglob("*.py") if "TYPE_CHECKING" in p.read_text()]
-    assert users == []
-
-
-def test_the_loop_is_at_the_top_and_data_at_the_bottom():
-    edges = graph()
-    below_loop = {m for m, deps in edges.items() if "orchestrator.loop" in deps}
-    assert below_loop <= {"orchestrator.cli", "orchestrator.contract"}  # only entry points use the loop
-    for bottom in ("orchestrator.state", "orchestrator.ledger", "orchestrator.noise", "orchestrator.runner"):
-        assert not edges[bottom] & {"orchestrator.loop", "orchestrator.trial", "orchestrator.plan",
-                                    "orchestrator.workspace"}, bottom
+def test_the_checker_sees_an_upward_import(tmp_path, monkeypatch):
+    """The check itself can fail: a store module that imports the loop is reported."""
+    path = tmp_path / "ledger.py"
+    path.write_text("from ..core import state\ndef f():\n    from ..views.report import table\n")
+    assert imports_of("orchestrator.store.ledger", path) == {"orchestrator.core.state", "orchestrator.views.report"}

@@ -12,8 +12,8 @@ from click.testing import CliRunner
 import fakes
 from conftest import ROOT, make_repo, subprocess_env
 from orchestrator.cli import main
-from orchestrator.ledger import read_record, read_rows
-from orchestrator.session import Paths
+from orchestrator.store.ledger import read_record, read_rows
+from orchestrator.store.session import Paths
 
 
 def autoloop(*args, env=None, timeout=300):

@@ -9,8 +9,8 @@ import pytest
 
 import fakes
 from conftest import subprocess_env
-from orchestrator.ledger import read_record, read_rows
-from orchestrator.session import Paths
+from orchestrator.store.ledger import read_record, read_rows
+from orchestrator.store.session import Paths
 
 SECRETS = {"OPENAI_API_KEY": "sk-test-0123456789", "HF_TOKEN": "hf_abcdefghijkl", "AWS_SECRET_ACCESS_KEY": "aws/secret/xyz",
            "SSH_AUTH_SOCK": "/tmp/ssh-agent.sock", "CUDA_TOKEN_X": "tok-under-an-allowed-prefix"}
@@ -28,7 +28,7 @@ PRINTS_ENV = 'import os, sys\nprint("ENV", sorted(os.environ.items()))\nprint("T
 @pytest.mark.parametrize("sandbox", ["on", "off"])
 def test_a_run_that_prints_the_environment_sees_no_secret(fake_repo, sandbox):
     """Old: every step got the controller's whole environment (API keys, tokens, cloud credentials)."""
-    from orchestrator.confine import sandbox_problem
+    from orchestrator.trust.confine import sandbox_problem
 
     if sandbox == "on" and sandbox_problem():
         pytest.skip(sandbox_problem())
@@ -126,7 +126,7 @@ def test_the_metric_cannot_be_set_by_the_edit(tiny_env, tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOLOOP_TEST_PLAN", str(plan))
     settings = dict(repo=repo, tag="m", budget=1.0, proposer="fakes:Scripted", baseline_repeats=0,
                     startup_allowance=15.0, gate="strict")
-    from orchestrator.noise import Gate
+    from orchestrator.core.noise import Gate
     settings["gate"] = Gate("strict")
     run_loop(Settings(**settings, max_experiments=3), echo=lambda line: None)
     run_loop(Settings(**settings), echo=lambda line: None)  # a resume after the first forgeries
@@ -142,7 +142,7 @@ def test_the_clock_is_the_controllers():
     """Old: the audit trusted train.py's own training_seconds with a slack of max(60 s, budget/2): an edit that
     counts only half of each step trained ~1.9x the budget at --budget 60 and was kept. Now the train step's
     wall time, less the start-up the session's baseline needed, decides."""
-    from orchestrator.evaluation import audit_clock
+    from orchestrator.trust.evaluation import audit_clock
 
     honest = {"training_seconds": 1.0, "num_steps": 10}  # what an under-reporting edit prints
     for budget in (60.0, 300.0):
@@ -172,7 +172,7 @@ def test_a_run_that_changes_the_prepared_data_is_a_crash_and_the_data_is_prepare
     is a crash row, the data are prepared again, and the loop goes on."""
     from conftest import ROOT, make_repo
     from orchestrator.loop import Settings, run_loop
-    from orchestrator.noise import Gate
+    from orchestrator.core.noise import Gate
     from test_trust import after_imports
 
     cache = tmp_path / "cache"
@@ -224,7 +224,7 @@ def test_a_run_that_touches_the_controllers_state_is_a_crash_and_the_state_is_re
     assert read_record(Paths(repo, "s").run_dir(1)).description == "baseline"
 
 
-needs_bwrap = pytest.mark.skipif(__import__("orchestrator.confine", fromlist=["x"]).sandbox_problem() != "",
+needs_bwrap = pytest.mark.skipif(__import__("orchestrator.trust.confine", fromlist=["x"]).sandbox_problem() != "",
                                  reason="bubblewrap cannot run here (.ci/run installs it)")
 
 

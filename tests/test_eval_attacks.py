@@ -21,7 +21,7 @@ import pytest
 
 import fakes
 from conftest import ROOT, make_repo
-from orchestrator.ledger import read_rows
+from orchestrator.store.ledger import read_rows
 from orchestrator.loop import Settings, run_loop
 
 HONEST = '''"""a bigram model: train.py for the adversary suite"""
@@ -171,7 +171,7 @@ rewrite(edit)
 def test_forged_evaluations_are_refused_or_honest(tiny_env, tmp_path, monkeypatch, sandbox):
     """Unconfined and in the sandbox (as root in CI): the defences of the metric do not depend on the mode."""
     if sandbox == "on":
-        from orchestrator import confine
+        from orchestrator.trust import confine
 
         monkeypatch.delitem(confine._PROBE, "result", raising=False)  # the suite's default: unconfined
         if problem := confine.sandbox_problem():
@@ -236,7 +236,7 @@ def test_the_training_step_cannot_read_what_it_is_scored_on(tiny_env, tmp_path, 
     """In the sandbox the validation and held-out files read as empty to train.py (only the evaluation gets them);
     the evaluation still scores them. Nor can the run rebuild the validation split from the offline corpus's
     sources, which it can read (the standard library): those scored are in test suites, hidden from it."""
-    from orchestrator import confine
+    from orchestrator.trust import confine
 
     monkeypatch.delitem(confine._PROBE, "result", raising=False)  # the suite's default: unconfined
     if problem := confine.sandbox_problem():
@@ -343,7 +343,7 @@ def test_a_local_corpus_is_hidden_from_training_unless_it_holds_the_repository(t
     hides it; never a directory holding the repository or the prepared data (that would hide the run itself)."""
     from types import SimpleNamespace
 
-    from orchestrator.trial import corpus_source
+    from orchestrator.core.trial import corpus_source
 
     corpus, repo, cache = tmp_path / "corpus", tmp_path / "repo", tmp_path / "cache"
     for path in (corpus, repo, cache):

@@ -9,9 +9,9 @@ from pathlib import Path
 import git
 
 import fakes
-from orchestrator.ledger import read_rows
+from orchestrator.store.ledger import read_rows
 from orchestrator.loop import Settings, run_loop
-from orchestrator.session import Paths
+from orchestrator.store.session import Paths
 
 # What every attack starts with: the run's worktree's administrative directory, and the repository's git dir,
 # found as the run would (from its own .git file, before it touches anything).
@@ -128,7 +128,7 @@ def test_the_controllers_own_refs_and_other_sessions_are_no_attack(fake_repo, tm
 def test_a_filter_planted_while_the_controller_works_in_another_worktree_never_runs(fake_repo, tmp_path):
     """A run still training (another slot's, or while the pipelined proposer works in its worktree) plants a
     filter: the controller's git commands meanwhile put the config back before they run, and say so."""
-    from orchestrator import gitops
+    from orchestrator.store import gitops
 
     repo = gitops.open_repo(fake_repo(fakes.ok(1.0)))
     head = repo.head.commit.hexsha

@@ -17,10 +17,10 @@ import torch
 
 import fakes
 from conftest import ROOT, make_repo, subprocess_env
-from orchestrator import harness
-from orchestrator.gpu import Driver, driver_problem, nvidia_smi, parse_header, parse_list, wheel_index
-from orchestrator.ledger import read_rows
-from orchestrator.session import Paths
+from orchestrator.trust import harness
+from orchestrator.executors.gpu import Driver, driver_problem, nvidia_smi, parse_header, parse_list, wheel_index
+from orchestrator.store.ledger import read_rows
+from orchestrator.store.session import Paths
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch that cannot use CUDA")
 TORCH = torch.__version__.split("+")[0]

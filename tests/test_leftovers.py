@@ -18,10 +18,10 @@ import pytest
 
 import fakes
 from conftest import subprocess_env
-from orchestrator.ledger import read_record, read_rows
+from orchestrator.store.ledger import read_record, read_rows
 from orchestrator.loop import Settings, run_loop
-from orchestrator.runner import run_command
-from orchestrator.session import Paths
+from orchestrator.executors.runner import run_command
+from orchestrator.store.session import Paths
 
 
 def daemon(marker: str, heartbeat: Path) -> str:
@@ -146,7 +146,7 @@ SECRET = "sk-test-Q9w8E7r6T5y4U3i2O1p0Zx"
 
 
 def leaks(text: str) -> list[str]:
-    """The encodings of SECRET found in text (independent of orchestrator.redaction's own list)."""
+    """The encodings of SECRET found in text (independent of orchestrator.trust.redaction's own list)."""
     raw = SECRET.encode()
     forms = {"literal": SECRET, "hex": raw.hex(), "HEX": raw.hex().upper(), "url": urllib.parse.quote(SECRET, safe=""),
              "base64": base64.b64encode(raw).decode()[:-4], "base64url": base64.urlsafe_b64encode(raw).decode()[:-4]}
@@ -178,7 +178,7 @@ raise RuntimeError(f"leaked {b64} {secret.hex()} {shifted}")
 def test_a_secret_raised_in_any_encoding_reaches_no_row_record_or_prompt(fake_repo, tmp_path, monkeypatch):
     """Old: redaction replaced the literal value only: a key read from the controller's environment and raised
     base64-encoded was in results.tsv (the crash reason) and in the next LLM prompt (the log tail)."""
-    from orchestrator.prompt import build_prompt
+    from orchestrator.proposers.prompt import build_prompt
 
     plan = fakes.write_plan(tmp_path / "plan.json", [{"description": "steals the key", "train": STEAL}])
     repo = fake_repo(fakes.ok(1.0))

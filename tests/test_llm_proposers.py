@@ -12,11 +12,11 @@ import fakes
 from conftest import TESTS
 from fake_openai import FakeOpenAI, edit
 from orchestrator import LoopError
-from orchestrator.ledger import Record, read_record, read_rows
+from orchestrator.store.ledger import Record, read_record, read_rows
 from orchestrator.loop import Settings, run_loop
-from orchestrator.prompt import build_prompt
+from orchestrator.proposers.prompt import build_prompt
 from orchestrator.proposers.llm import EditError, apply_reply
-from orchestrator.session import Paths
+from orchestrator.store.session import Paths
 
 pytest.importorskip("openai")
 

@@ -11,9 +11,9 @@ import pytest
 
 import fakes
 from orchestrator import LoopError
-from orchestrator.ledger import read_record, read_rows
+from orchestrator.store.ledger import read_record, read_rows
 from orchestrator.loop import Settings, run_loop
-from orchestrator.session import Paths
+from orchestrator.store.session import Paths
 
 
 def settings(repo, **kw) -> Settings:

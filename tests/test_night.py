@@ -14,8 +14,8 @@ import pytest
 import fakes
 from conftest import subprocess_env
 from orchestrator.cli import default_tag
-from orchestrator.ledger import read_record, read_rows
-from orchestrator.session import Paths
+from orchestrator.store.ledger import read_record, read_rows
+from orchestrator.store.session import Paths
 
 
 def run(repo, *args, env=None, timeout=120):
@@ -124,7 +124,7 @@ def test_a_hanging_signer_cannot_stop_the_loop(fake_repo, plan, tmp_path):
 
 
 def test_every_git_command_of_the_loop_has_a_deadline(fake_repo, monkeypatch):
-    from orchestrator import gitops
+    from orchestrator.store import gitops
 
     monkeypatch.setattr(gitops, "GIT_TIMEOUT_S", 1.0)
     repo = gitops.open_repo(fake_repo(fakes.ok(1.0)))
@@ -173,7 +173,7 @@ def test_the_search_learns_nothing_from_environment_crashes(tmp_path):
     """Old: the search took a crash from a lost GPU as "moving this constant crashes" and never went there
     again. Now only the idea's crashes close a region."""
     from orchestrator.contract import make_fake_repo
-    from orchestrator.ledger import Record
+    from orchestrator.store.ledger import Record
     from orchestrator.proposers import Context
     from orchestrator.proposers.search import SearchProposer
     from orchestrator.proposers.space import read_space
@@ -200,7 +200,7 @@ def test_an_out_of_memory_crash_closes_its_sizes_together_and_nothing_alone(tmp_
     together: neither size is closed alone (a deeper, narrower model stays open), and a crash the machine caused
     closes nothing."""
     from orchestrator.contract import make_fake_repo
-    from orchestrator.ledger import Record
+    from orchestrator.store.ledger import Record
     from orchestrator.proposers import Context
     from orchestrator.proposers.search import SearchProposer
     from orchestrator.proposers.space import read_space
@@ -320,7 +320,7 @@ def test_spend_counts_every_request_even_of_ideas_that_never_ran(fake_repo):
     pytest.importorskip("openai")
     from fake_openai import FakeOpenAI, edit
     from orchestrator.loop import Settings, run_loop
-    from orchestrator.spend import Spend
+    from orchestrator.store.spend import Spend
 
     repo = fake_repo(fakes.ok(1.0, sleep=1.0))
     old = "BPB = 1.0  # [0.1, 10.0]"
@@ -380,7 +380,7 @@ def test_a_run_slowed_by_a_competing_process_is_run_again_not_counted(fake_repo,
     assert "disturbed: steps per second" in records[2].gate.get("disturbed", ""), records[2].gate
     assert "disturbed" in rows(repo, "d")[2].description and "running again" in rows(repo, "d")[2].description
     assert records[3].description.startswith("baseline (repeat") and not records[3].gate.get("disturbed")
-    from orchestrator.state import load_state
+    from orchestrator.core.state import load_state
     state = load_state(Paths(repo, "d"))
     assert state.runs(1) == [1.001, 1.0, 1.0] or sorted(state.runs(1)) == [1.0, 1.0, 1.001]  # run 3 left out
     assert state.spread().sd < 0.01  # with run 3 it would be ~0.1
@@ -392,7 +392,7 @@ def test_resume_ends_a_killed_runs_worker_whose_parent_is_gone(tmp_path):
     it gone, and the worker ran on. Now the run's whole session (its id is train.py's pid) is ended."""
     import psutil
 
-    from orchestrator.workspace import kill_orphan
+    from orchestrator.core.workspace import kill_orphan
 
     pidfile = tmp_path / "worker.pid"
     code = ("import subprocess, sys\n"

@@ -12,10 +12,10 @@ import pytest
 
 import fakes
 from conftest import subprocess_env
-from orchestrator.ledger import read_record, read_rows
+from orchestrator.store.ledger import read_record, read_rows
 from orchestrator.loop import Settings, run_loop
-from orchestrator.noise import Gate, Spread, judge, parent_first, reference_spread, significant_lines
-from orchestrator.session import Paths
+from orchestrator.core.noise import Gate, Spread, judge, parent_first, reference_spread, significant_lines
+from orchestrator.store.session import Paths
 
 
 BASE = [1.000, 1.010, 0.990]  # sd 0.01

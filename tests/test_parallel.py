@@ -12,9 +12,9 @@ import pytest
 
 import fakes
 from conftest import subprocess_env
-from orchestrator.ledger import read_record, read_rows
+from orchestrator.store.ledger import read_record, read_rows
 from orchestrator.loop import Settings, run_loop
-from orchestrator.session import Paths
+from orchestrator.store.session import Paths
 
 
 def timed(bpb: float, sleep: float = 1.5) -> str:

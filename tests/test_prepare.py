@@ -449,7 +449,7 @@ def test_evaluation_refuses_a_manifest_changed_since_the_session_pinned_it(tiny_
 
 
 def test_controller_reprepares_data_made_by_another_prepare_py(tiny_env, tmp_path):
-    from orchestrator import harness
+    from orchestrator.trust import harness
 
     manifest = Path(tiny_env["AUTOLOOP_CACHE"]) / "pystdlib" / "manifest-tiny.json"
     assert harness.verify(manifest, ROOT / "prepare.py") == []
@@ -475,7 +475,7 @@ print(json.dumps(prepare.held_out_of_reach(docs + big, "pystdlib")[2]))
     lines = [line for line in out.splitlines() if line.startswith("[")]
     assert json.loads(lines[0]) == [6, None, []] and json.loads(lines[1]) == ["/py/test"]
 
-    from orchestrator.harness import scored_on_readable_sources
+    from orchestrator.trust.harness import scored_on_readable_sources
 
     manifest = tmp_path / "manifest.json"
     for recorded, readable in [({"dataset": "pystdlib", "hidden_sources": []}, True),

@@ -7,13 +7,13 @@ import textwrap
 import pytest
 
 from orchestrator.contract import check_proposer, make_fake_repo, train_sources
-from orchestrator.hparams import read_constants, set_constant
-from orchestrator.ledger import read_rows
+from orchestrator.store.hparams import read_constants, set_constant
+from orchestrator.store.ledger import read_rows
 from orchestrator.loop import Settings, run_loop
 from orchestrator.proposers import available
 from orchestrator.proposers.space import config_of
-from orchestrator.queue import Queue
-from orchestrator.session import Paths
+from orchestrator.proposers.queue import Queue
+from orchestrator.store.session import Paths
 from conftest import ROOT
 
 BUILTINS = ["search", "random", "tpe", "cmaes", "perturb", "queue"]
@@ -168,7 +168,7 @@ def test_search_survives_a_restart(tmp_path):
 def test_search_learns_each_idea_once_from_its_decided_outcome():
     """A promising idea's first run reads `discard` in results.tsv while the gate runs it again: search must not
     learn 'discarded' from it (nor count its repeats as more tries); it learns the final decision."""
-    from orchestrator.ledger import Record
+    from orchestrator.store.ledger import Record
     from orchestrator.proposers.search import outcomes
 
     def rec(n, status, decision, group=None):
@@ -185,7 +185,7 @@ def test_search_screens_first_then_jumps(tmp_path):
     """The first 10 ideas are local moves around the default (the screen); after it every idea is a jump of the
     model (TPE over every constant), except a push of a kept local move further the same way. Every idea's
     record names its move."""
-    from orchestrator.ledger import read_record
+    from orchestrator.store.ledger import read_record
 
     repo = make_fake_repo(tmp_path / "r")
     run_search(repo, 40)
@@ -240,7 +240,7 @@ def test_search_proposes_the_same_idea_after_a_restart_past_its_start_up(tmp_pat
     edit: the state is rebuilt from the history, the randomness seeded by it."""
     import shutil
 
-    from orchestrator.ledger import read_record
+    from orchestrator.store.ledger import read_record
     from orchestrator.proposers.base import Context
     from orchestrator.proposers.search import SearchProposer
 
@@ -263,7 +263,7 @@ def test_trials_keep_powers_of_two_and_survive_undeclared_values():
     declares (a queued idea's choice, a value past today's range) is left out of its trial, not an error."""
     import optuna
 
-    from orchestrator.ledger import Record
+    from orchestrator.store.ledger import Record
     from orchestrator.proposers.space import Param
     from orchestrator.proposers.tpe import as_declared, finished_trials
 

@@ -10,8 +10,8 @@ import time
 
 from conftest import make_repo, subprocess_env
 from orchestrator.contract import FAKE_TRAIN
-from orchestrator.ledger import read_record, read_rows
-from orchestrator.session import Paths
+from orchestrator.store.ledger import read_record, read_rows
+from orchestrator.store.session import Paths
 
 
 def autoloop(*args, env=None, timeout=120):

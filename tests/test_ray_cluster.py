@@ -12,9 +12,9 @@ import pytest
 
 import fakes
 from orchestrator import contract
-from orchestrator.ledger import read_record, read_rows
+from orchestrator.store.ledger import read_record, read_rows
 from orchestrator.loop import Settings, run_loop
-from orchestrator.session import Paths, read_status
+from orchestrator.store.session import Paths, read_status
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402

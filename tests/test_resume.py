@@ -14,8 +14,8 @@ import pytest
 
 import fakes
 from conftest import subprocess_env
-from orchestrator.ledger import read_rows
-from orchestrator.session import Paths
+from orchestrator.store.ledger import read_rows
+from orchestrator.store.session import Paths
 
 
 def start(repo, plan_path, *extra):

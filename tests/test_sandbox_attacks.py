@@ -28,7 +28,7 @@ import pytest
 
 import fakes
 from conftest import ROOT, make_repo
-from orchestrator import confine
+from orchestrator.trust import confine
 from orchestrator.executors import base
 from orchestrator.executors.base import Job, JobResult, run_steps
 
@@ -646,9 +646,9 @@ def outside_the_masks(fallback: Path) -> Path:
 def test_a_train_py_that_attacks_from_the_loop_gets_nowhere(tmp_path, monkeypatch):
     """The loop as it runs (sandbox on): one edit tries every attack above and then reports honestly; its row is
     honest or a crash, its log says it managed nothing, and nothing outside its run changed."""
-    from orchestrator.ledger import read_rows
+    from orchestrator.store.ledger import read_rows
     from orchestrator.loop import Settings, run_loop
-    from orchestrator.session import Paths
+    from orchestrator.store.session import Paths
 
     secret, marker = f"sk-{uuid.uuid4().hex}", f"autoloop-daemon-{uuid.uuid4().hex}"
     monkeypatch.setenv("OPENAI_API_KEY", secret)

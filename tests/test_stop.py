@@ -16,8 +16,8 @@ import pytest
 
 import fakes
 from conftest import ROOT, make_repo, subprocess_env
-from orchestrator.ledger import read_rows
-from orchestrator.session import Paths
+from orchestrator.store.ledger import read_rows
+from orchestrator.store.session import Paths
 
 EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
 

@@ -1,4 +1,4 @@
-from orchestrator.summary import last_error_line, parse_summary, val_bpb_of
+from orchestrator.trust.summary import last_error_line, parse_summary, val_bpb_of
 
 LOG = """step 1 | loss 3.0
 ---
@@ -36,7 +36,7 @@ def test_last_error_line_prefers_the_exception():
 
 def test_logs_are_read_from_the_tail(tmp_path):
     """A run that prints megabytes is measured from the end of its log, without reading it all."""
-    from orchestrator.summary import read_tail
+    from orchestrator.trust.summary import read_tail
 
     log = tmp_path / "run.log"
     block = "---\nval_bpb:          1.234567\ntraining_seconds: 1.0\n"

@@ -94,8 +94,8 @@ def test_the_fake_train_py_is_deterministic_for_a_seed_and_crashes_as_often_as_p
 def test_the_benchmark_drives_the_real_proposers_through_the_real_loop(model, tmp_path):
     from search_quality import NOOP, surrogate_session
 
-    from orchestrator.ledger import read_record, read_rows
-    from orchestrator.session import Paths
+    from orchestrator.store.ledger import read_record, read_rows
+    from orchestrator.store.session import Paths
 
     for method in ("search", "tpe", NOOP):
         result = surrogate_session((str(model), "tiny", method, "noise", 0, 12, str(tmp_path)))

@@ -23,9 +23,9 @@ from click.testing import CliRunner
 
 import fakes
 from orchestrator.cli import main
-from orchestrator.ledger import read_rows
-from orchestrator.session import Paths
-from orchestrator.tracking import MLflow, loss_curve
+from orchestrator.store.ledger import read_rows
+from orchestrator.store.session import Paths
+from orchestrator.trackers.base import MLflow, loss_curve
 
 
 def train(bpb: float, lr: float = 0.04) -> str:

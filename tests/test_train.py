@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from conftest import ROOT
-from orchestrator.summary import SUMMARY_KEYS, parse_summary, val_bpb_of
+from orchestrator.trust.summary import SUMMARY_KEYS, parse_summary, val_bpb_of
 
 
 def run_train(env: dict, budget: str = "2", timeout: float = 120, args: tuple = ("train.py",)

@@ -9,10 +9,10 @@ import pytest
 
 import fakes
 from conftest import ROOT, make_repo
-from orchestrator.guard import new_violations, violations
-from orchestrator.ledger import read_record, read_rows
+from orchestrator.trust.guard import new_violations, violations
+from orchestrator.store.ledger import read_record, read_rows
 from orchestrator.loop import Settings, run_loop
-from orchestrator.session import Paths
+from orchestrator.store.session import Paths
 
 TRAIN = (ROOT / "train.py").read_text()
 IMPORTS = "from prepare import MAX_SEQ_LEN, PROFILE, SEED, TIME_BUDGET, Tokenizer, evaluate_bpb, make_dataloader\n"

@@ -15,8 +15,8 @@ import pytest
 
 import fakes
 from conftest import ROOT, make_repo, subprocess_env
-from orchestrator.ledger import read_rows
-from orchestrator.session import Paths
+from orchestrator.store.ledger import read_rows
+from orchestrator.store.session import Paths
 from test_agent_presets import fake_bin
 from test_gpu_check import env_with, fake_nvidia_smi
 

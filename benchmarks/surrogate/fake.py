@@ -87,7 +87,7 @@ def fake_train(real_source: str, profile: str, model: Path, state: Path, noise_s
     as plain constants) and the surrogate's body. `noise_scale` multiplies the surrogate's run-to-run sd (a
     stress test: the same landscape, noisier runs). A configuration whose `activations` exceed `memory_limit`
     runs out of memory, every time (a crash region set by hand: the collections on a CPU have none)."""
-    from orchestrator.hparams import format_value, read_constants
+    from orchestrator.store.hparams import format_value, read_constants
     from orchestrator.proposers.space import read_space
 
     lines = ['"""train.py answering from a surrogate (benchmarks/surrogate/fake.py)."""', "",

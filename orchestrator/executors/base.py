@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..confine import gpu_devices, readable_paths, sandbox_problem, sandboxed
-from ..gpu import smi
-from ..runner import LOG_CAP_BYTES, run_command
+from ..trust.confine import gpu_devices, readable_paths, sandbox_problem, sandboxed
+from .gpu import smi
+from .runner import LOG_CAP_BYTES, run_command
 
 OUT = "{out}"  # in a step's arguments and environment: the directory the steps write logs and outputs to
 PYTHON = "{python}"  # the Python interpreter of the machine the step runs on

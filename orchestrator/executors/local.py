@@ -11,8 +11,8 @@ import threading
 
 import click
 
-from ..background import Background
-from ..gpu import parse_list, smi
+from .background import Background
+from .gpu import parse_list, smi
 from .base import Executor, Handle, Job, JobResult, Slot, run_steps
 
 
@@ -47,7 +47,7 @@ def local_slots(workers: int, gpus: list[str] | None) -> list[Slot]:
 
 
 class LocalHandle(Handle):
-    """A job running in a thread of this process (waited for with an Event: orchestrator/background.py)."""
+    """A job running in a thread of this process (waited for with an Event: orchestrator/executors/background.py)."""
 
     def __init__(self, job: Job, slot: Slot):
         self._cancel = threading.Event()

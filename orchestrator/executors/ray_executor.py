@@ -26,7 +26,7 @@ from pathlib import Path
 
 import click
 
-from ..confine import allowed_env
+from ..trust.confine import allowed_env
 from .base import OUT, SCRATCH_DIRS, Executor, Handle, Job, JobResult, Slot, StepResult, run_steps
 
 SHIPPED_ENV = ("PYTHONUNBUFFERED", "OMP_NUM_THREADS")  # besides every AUTOLOOP_* variable
@@ -64,8 +64,8 @@ def prepare_data(src: Path, out: Path, env: dict[str, str]) -> str:
     file names); why it failed, or ''. Runs on the node, the log in out/prepare.log."""
     import fcntl
 
-    from orchestrator.runner import run_command
-    from orchestrator.summary import last_error_line, read_tail
+    from orchestrator.executors.runner import run_command
+    from orchestrator.trust.summary import last_error_line, read_tail
 
     cache = Path(env.get("AUTOLOOP_CACHE") or "~/.cache/autoloop").expanduser()  # prepare.py's CACHE_DIR
     cache.mkdir(parents=True, exist_ok=True)
@@ -112,7 +112,7 @@ def _node_job(spec: dict, files: dict[str, bytes], inputs: dict[str, bytes], sta
 
 def tracked_files(workdir: Path) -> dict[str, bytes]:
     """The worktree's code as the task will see it: every file git tracks there."""
-    from .. import gitops  # with its git directory named by the controller, never read from the worktree
+    from ..store import gitops  # with its git directory named by the controller, never read from the worktree
 
     names = gitops.Repo(workdir).git.ls_files("-z").split("\0")
     return {name: (workdir / name).read_bytes() for name in names if name and (workdir / name).is_file()}

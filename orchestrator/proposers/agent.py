@@ -19,12 +19,12 @@ from pathlib import Path
 import click
 
 from .. import LoopError
-from ..confine import allowed_env
-from ..ledger import Record
-from ..prompt import DEFAULT_PROMPT_CHARS, PROMPT_OPTIONS, build_prompt, read_program
-from ..runner import run_command
-from ..session import Paths
-from ..summary import last_error_line
+from ..trust.confine import allowed_env
+from ..store.ledger import Record
+from .prompt import DEFAULT_PROMPT_CHARS, PROMPT_OPTIONS, build_prompt, read_program
+from ..executors.runner import run_command
+from ..store.session import Paths
+from ..trust.summary import last_error_line
 from .base import Context, Proposal, ProposalFailed, Proposer
 
 # Placeholders are replaced only when they are a whole argument: the prompt is never parsed by a shell and other

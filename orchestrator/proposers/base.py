@@ -6,8 +6,8 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..ledger import Record
-from ..spend import Spend
+from ..store.ledger import Record
+from ..store.spend import Spend
 
 
 @dataclass

@@ -15,9 +15,9 @@ from urllib.parse import urlparse
 import click
 
 from .. import LoopError
-from ..ledger import Record
-from ..prompt import DEFAULT_PROMPT_CHARS, PROMPT_OPTIONS, build_prompt, read_program
-from ..session import Paths
+from ..store.ledger import Record
+from .prompt import DEFAULT_PROMPT_CHARS, PROMPT_OPTIONS, build_prompt, read_program
+from ..store.session import Paths
 from .base import Context, Proposal, ProposalFailed, Proposer
 
 DEFAULT_BASE_URL = "https://api.openai.com/v1"

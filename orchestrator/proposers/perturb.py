@@ -6,8 +6,8 @@ import math
 import random
 from pathlib import Path
 
-from ..hparams import Constant, read_constants, set_constant
-from ..ledger import Record
+from ..store.hparams import Constant, read_constants, set_constant
+from ..store.ledger import Record
 from .base import Context, Proposer
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..ledger import Record
+from ..store.ledger import Record
 from .base import Proposer
 
 

@@ -6,7 +6,7 @@ import math
 import random
 from pathlib import Path
 
-from ..ledger import Record
+from ..store.ledger import Record
 from .base import Context, Proposal, Proposer
 from .space import Configs, Param, apply_changes, config_key, describe, read_space, rounded
 

@@ -46,7 +46,7 @@ import random
 from pathlib import Path
 
 from .. import LoopError
-from ..ledger import Record
+from ..store.ledger import Record
 from .base import Context, Proposal, Proposer
 from .space import Configs, Param, apply_changes, config_key, describe, read_space, rounded
 from .tpe import ask, finished_trials, learnable, tpe_study

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import git
 
-from ..hparams import Constant, format_value, read_constants, set_constant
-from ..ledger import Record
+from ..store.hparams import Constant, format_value, read_constants, set_constant
+from ..store.ledger import Record
 
 
 @dataclass

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 from .. import LoopError
-from ..ledger import Record
+from ..store.ledger import Record
 from .base import Context, Proposal, Proposer
 from .space import Configs, Param, apply_changes, config_key, describe, read_space, rounded
 

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pandas as pd
 
-from .evaluation import holdout_text
-from .ledger import read_record
-from .session import Paths
-from .spend import Spend
-from .state import load_state
+from ..trust.evaluation import holdout_text
+from ..store.ledger import read_record
+from ..store.session import Paths
+from ..store.spend import Spend
+from ..core.state import load_state
 
 
 def load(paths: Paths) -> pd.DataFrame:

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import click
 
-from . import redaction
-from .ledger import Record
-from .session import Paths
-from .summary import read_tail
+from ..trust import redaction
+from ..store.ledger import Record
+from ..store.session import Paths
+from ..trust.summary import read_tail
 
 DEFAULT_PROMPT_CHARS = 48_000  # ~12k tokens: fits any model's context with room for the reply
 

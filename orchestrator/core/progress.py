@@ -14,7 +14,7 @@ _STEP = re.compile(r"step (\d+) \(([\d.]+)%\) \| loss: ([\d.]+)")
 
 def last_step(log: Path) -> tuple[int, float, float] | None:
     """(step, percent of the budget, smoothed loss) from the newest progress line train.py printed."""
-    from .summary import read_run_file  # a run may have put a FIFO or a link in its log's place
+    from ..trust.summary import read_run_file  # a run may have put a FIFO or a link in its log's place
 
     data = read_run_file(log, 4096)
     if data is None:

@@ -17,10 +17,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .hparams import read_constants, set_constant
-from .ledger import Record
-from .proposers.base import Proposal, ProposalFailed
-from .session import is_locked
+from ..store.hparams import read_constants, set_constant
+from ..store.ledger import Record
+from .base import Proposal, ProposalFailed
+from ..store.session import is_locked
 
 
 @dataclass

@@ -8,7 +8,7 @@ import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import LoopError
+from .. import LoopError
 
 COLUMNS = ("commit", "val_bpb", "memory_gb", "mfu_percent", "status", "description")
 STATUSES = ("keep", "discard", "crash")

@@ -14,15 +14,18 @@ from typing import Callable
 import git
 import psutil
 
-from . import LoopError, confine, gitops, gpu, harness, redaction
-from .executors import Executor
+from .. import LoopError
+from ..trust import confine, harness, redaction
+from ..store import gitops
+from ..executors import gpu
+from ..executors import Executor
 from .judge import row_of
-from .ledger import Record, append_row, ensure_header, write_json_atomic, write_record
-from .queue import Queue
-from .runner import kill_tree
-from .session import Paths, read_status, write_status
+from ..store.ledger import Record, append_row, ensure_header, write_json_atomic, write_record
+from ..proposers.queue import Queue
+from ..executors.runner import kill_tree
+from ..store.session import Paths, read_status, write_status
 from .settings import Settings
-from .spend import Spend
+from ..store.spend import Spend
 from .state import State, load_records, replay
 
 

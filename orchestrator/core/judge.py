@@ -14,8 +14,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from . import redaction
-from .ledger import Record, Row
+from ..trust import redaction
+from ..store.ledger import Record, Row
 from .noise import Gate, Verdict, judge
 from .state import Decision, State, Status, counts, group_of
 

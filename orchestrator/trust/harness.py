@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import LoopError
+from .. import LoopError
 from .confine import allowed_env
 
 _QUERY = """

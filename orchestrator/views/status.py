@@ -5,11 +5,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from . import LoopError
-from .ledger import read_rows
-from .progress import last_step
-from .session import Paths, is_locked, latest_tag, read_status
-from .state import load_state
+from .. import LoopError
+from ..store.ledger import read_rows
+from ..core.progress import last_step
+from ..store.session import Paths, is_locked, latest_tag, read_status
+from ..core.state import load_state
 
 
 def collect(repo: Path, tag: str | None) -> dict:

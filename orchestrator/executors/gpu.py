@@ -15,7 +15,7 @@ import sys
 from collections import Counter
 from dataclasses import dataclass, field
 
-from . import LoopError
+from .. import LoopError
 
 SMI_TIMEOUT_S = 10.0  # a wedged driver can make nvidia-smi hang; better no answer than no start
 INDEX_URL = "https://download.pytorch.org/whl/"

@@ -20,7 +20,7 @@ from typing import Iterator
 
 import git
 
-from . import LoopError
+from .. import LoopError
 
 PROTECTED = ("train.py", "prepare.py")
 GIT_TIMEOUT_S = 120.0  # any git command of the loop that takes longer is stuck (a lock, a filesystem gone)

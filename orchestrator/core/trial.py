@@ -18,16 +18,18 @@ from pathlib import Path
 import git
 import psutil
 
-from . import LoopError, gitops, redaction
-from .evaluation import RESULT, audit_clock, compare_printed, evaluator_flags, read_evaluation, read_result
-from .executors import OUT, PYTHON, Executor, Handle, Job, JobResult, Slot, wait_any
-from .guard import new_violations
-from .ledger import Record
+from .. import LoopError
+from ..store import gitops
+from ..trust import redaction
+from ..trust.evaluation import RESULT, audit_clock, compare_printed, evaluator_flags, read_evaluation, read_result
+from ..executors import OUT, PYTHON, Executor, Handle, Job, JobResult, Slot, wait_any
+from ..trust.guard import new_violations
+from ..store.ledger import Record
 from .plan import Ideas, Planned, as_running, parent_run
 from .progress import Progress, format_eta, last_step
-from .session import write_status
+from ..store.session import write_status
 from .state import Cause, Crash, Phase, State, counts, group_of
-from .summary import environment_error, last_error_line, parse_summary, read_tail, val_bpb_of
+from ..trust.summary import environment_error, last_error_line, parse_summary, read_tail, val_bpb_of
 
 PROGRESS_TICK_S = 1.0
 MAX_INFRA_RETRIES = 3  # executor failures (node lost, worker died) of one experiment before the loop stops

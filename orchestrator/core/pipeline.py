@@ -12,11 +12,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from . import gitops
-from .background import Background
-from .ledger import Record
-from .proposers import Proposal, ProposalFailed, Proposer
-from .queue import apply_idea
+from ..store import gitops
+from ..executors.background import Background
+from ..store.ledger import Record
+from ..proposers import Proposal, ProposalFailed, Proposer
+from ..proposers.queue import apply_idea
 
 
 @dataclass

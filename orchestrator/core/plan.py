@@ -13,10 +13,10 @@ import math
 import time
 from dataclasses import dataclass
 
-from .ledger import Record
+from ..store.ledger import Record
 from .noise import parent_first
 from .pipeline import Prefetch, Prepared, carry, make_proposal
-from .proposers import Proposer
+from ..proposers import Proposer
 from .state import State, group_of
 
 MAX_DUPLICATE_ASKS = 3  # ask again this often when a proposal repeats one already in the generation

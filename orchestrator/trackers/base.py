@@ -27,10 +27,10 @@ from typing import Callable
 
 from git import GitCommandError
 
-from .hparams import read_constants
-from .ledger import Record, write_json_atomic
-from .state import State, Status, replay
-from .workspace import Workspace
+from ..store.hparams import read_constants
+from ..store.ledger import Record, write_json_atomic
+from ..core.state import State, Status, replay
+from ..core.workspace import Workspace
 
 TRACKERS = ("mlflow", "wandb")
 
@@ -427,7 +427,7 @@ class Trackers:
         """`autoloop report`'s progress.png and report.md, in .autoloop/<tag>/report/ (none before experiment 1)."""
         if not state.records:
             return []
-        from .report import write_report  # pandas and matplotlib: only when a tracker is on
+        from ..views.report import write_report  # pandas and matplotlib: only when a tracker is on
 
         out = self.ws.paths.state / "report"
         try:

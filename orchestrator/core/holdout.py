@@ -10,10 +10,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from .evaluation import RESULT, evaluator_flags, holdout_text, read_evaluation, read_result
-from .summary import read_tail
-from .executors import OUT, PYTHON, Executor, Job
-from .ledger import write_json_atomic
+from ..trust.evaluation import RESULT, evaluator_flags, holdout_text, read_evaluation, read_result
+from ..trust.summary import read_tail
+from ..executors import OUT, PYTHON, Executor, Job
+from ..store.ledger import write_json_atomic
 from .state import State, group_of
 
 MAX_ATTEMPTS = 4  # the executor may fail (a lost node); the evaluation itself is not retried
@@ -91,9 +91,9 @@ def for_report(repo: Path, tag: str, echo: Callable[[str], None]) -> dict | None
     """`autoloop report`: make the check for a session that has none for its current best (it ended with Ctrl-C
     before the check, or the check was skipped), with the environment its runs had. Not while a loop runs on
     the tag (that loop makes its own), and not for a session recorded before its environment was kept."""
-    from .executors import LocalExecutor
-    from .harness import HarnessInfo
-    from .session import Lock, Paths
+    from ..executors import LocalExecutor
+    from ..trust.harness import HarnessInfo
+    from ..store.session import Lock, Paths
     from .settings import Settings
     from .state import load_state
     from .workspace import Workspace

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import LoopError
+from .. import LoopError
 from .ledger import write_json_atomic
 
 

@@ -14,10 +14,10 @@ import statistics
 from dataclasses import dataclass, field
 from enum import Enum
 
-from . import LoopError
-from .ledger import Record, read_record, read_rows
+from .. import LoopError
+from ..store.ledger import Record, read_record, read_rows
 from .noise import Spread, reference_spread
-from .session import Paths
+from ..store.session import Paths
 
 
 class _Word(str, Enum):

@@ -1,0 +1,1 @@
+"""Read-only views of a session: `autoloop status` and `autoloop report`."""
