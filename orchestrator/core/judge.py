@@ -88,7 +88,7 @@ def decide(state: State, runs: list[Finished], gate: Gate) -> None:
 
     def parent_on(device: str) -> list[float]:
         return state.runs(state.best_group, device) + [
-            r.record.val_bpb for r in ok if r.kind == "parent" and r.record.device == device]
+            r.record.bpb for r in ok if r.kind == "parent" and r.record.device == device]
 
     for run in ok:
         if run.kind == "parent":
@@ -102,8 +102,8 @@ def decide(state: State, runs: list[Finished], gate: Gate) -> None:
             why = f"no run of the best on {run.record.device or 'this device'} to compare with"
             run.record.gate = {"decision": Decision.DISCARD, "runs": 1, "why": why, "note": why}
             continue
-        verdict = judge([run.record.val_bpb], parent, others(run), gate, run.shorter)
-        run.record.gate = gate_fields(verdict, [run.record.val_bpb], parent)
+        verdict = judge([run.record.bpb], parent, others(run), gate, run.shorter)
+        run.record.gate = gate_fields(verdict, [run.record.bpb], parent)
     if len(candidates) > 1:
         select(candidates)
     followups = [r for r in ok if r.kind in ("rerun", "confirm")]
@@ -139,7 +139,7 @@ def select(candidates: list[Finished]) -> None:
         run.record.gate["decision"] = Decision.DISCARD
     if not eligible:
         return
-    winner = min(eligible, key=lambda r: r.record.val_bpb)
+    winner = min(eligible, key=lambda r: r.record.bpb)
     winner.record.gate.update(decision=Decision.RERUN, selection=True,
                               note=f"best of {len(candidates)}, by {winner.record.gate['delta']:.4f}: confirming")
     for run in eligible:
@@ -154,7 +154,7 @@ def settle(state: State, followups: list[Finished], parent_on, others: list[list
     confirming = any(r.gate.get("selection") for r in state.records if group_of(r) == group)
     for run in followups[:-1]:
         run.record.gate = {"decision": Decision.CONFIRMING, "runs": 1, "note": "confirmation run"}
-    values = state.runs(group, device) + [r.record.val_bpb for r in followups if r.record.device == device]
+    values = state.runs(group, device) + [r.record.bpb for r in followups if r.record.device == device]
     parent = parent_on(device)
     if not parent:
         final.record.gate = {"decision": Decision.DISCARD, "runs": len(values),
@@ -197,11 +197,11 @@ def row_text(record: Record) -> tuple[float, str]:
     g = record.gate
     if g.get("note"):  # several at once: selection, confirmation
         value = g.get("mean", record.val_bpb) if record.status == Status.KEEP else record.val_bpb
-        return value, f"{record.description} [{g['note']}]"
+        return value or 0.0, f"{record.description} [{g['note']}]"
     if g.get("decision") == Decision.RERUN:
-        return record.val_bpb, f"{record.description} [inside the margin {g['margin']:.4f}: running again]"
+        return record.val_bpb or 0.0, f"{record.description} [inside the margin {g['margin']:.4f}: running again]"
     if g.get("test") == "welch-t" and (g["decision"] == Decision.KEEP or g["runs"] > 1):
         note = "simplification, " if g["why"].startswith("simplification") else ""
         runs = f"mean of {g['runs']} runs" if g["runs"] > 1 else "1 run"
         return g["mean"], f"{record.description} ({note}{runs}, margin {g['margin']:.4f})"
-    return record.val_bpb, record.description
+    return record.val_bpb or 0.0, record.description

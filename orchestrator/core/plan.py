@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..store.ledger import Record
@@ -72,7 +73,7 @@ class Ideas:
 
 
 def candidates(ws, proposer: Proposer, best: str, records: list[Record], count: int,
-               earlier: list[Prepared] = ()) -> list[Prepared]:
+               earlier: Sequence[Prepared] = ()) -> list[Prepared]:
     """Up to `count` distinct ideas on `best`. Each one sees the ideas made before it (`earlier` too) as
     experiments in flight, with a commit the proposer can read."""
     out: list[Prepared] = []
@@ -128,11 +129,12 @@ def plan(ws, ideas: Ideas, state: State, slots: int) -> list[Planned]:
         return [Planned(Prepared(base=best, description=first if i == 0 else f"baseline (slot {i + 1})",
                                  group=state.done + 1), "baseline") for i in range(slots)]
     if state.pending is not None:
-        first = next(r for r in state.records if r.n == state.pending)
-        if first.gate.get("selection"):  # a best-of-k pick: confirm it on half the slots
+        pending = next(r for r in state.records if r.n == state.pending)
+        again_runs: list[Planned]
+        if pending.gate.get("selection"):  # a best-of-k pick: confirm it on half the slots
             k = max(1, math.ceil(slots / 2))
-            runs = [again(ws, state, first, f"{first.description} (confirmation {i + 1}/{k})", {"confirm": i + 1},
-                          "confirm") for i in range(k)]
+            again_runs = [again(ws, state, pending, f"{pending.description} (confirmation {i + 1}/{k})",
+                                {"confirm": i + 1}, "confirm") for i in range(k)]
         else:
             device = state.records[-1].device
             mine, parents = state.runs(state.pending, device), state.runs(state.best_group, device)
@@ -140,9 +142,9 @@ def plan(ws, ideas: Ideas, state: State, slots: int) -> list[Planned]:
                     parent_first(mine, parents, state.others(device, state.best_group, state.pending)):
                 return [parent_run(state, f"sharpening the comparison with pending run {state.pending}")]
             n = sum(1 for r in state.records if group_of(r) == state.pending) + 1
-            runs = [again(ws, state, first, f"{first.description} (repeat {n}/{s.gate.max_repeats})", {"repeat": n},
-                          "rerun")]
-        return runs + [parent_run(state, "confirmation") for _ in range(slots - len(runs))]
+            again_runs = [again(ws, state, pending, f"{pending.description} (repeat {n}/{s.gate.max_repeats})",
+                                {"repeat": n}, "rerun")]
+        return again_runs + [parent_run(state, "confirmation") for _ in range(slots - len(again_runs))]
     runs: list[Planned] = []
     wanted, base = 1 + s.baseline_repeats, state.baseline_group
     since = [r for r in state.records if r.n >= base and not r.gate.get("disturbed")]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -97,7 +98,7 @@ class State:
 
     def runs(self, group: int, device: str | None = None) -> list[float]:
         """val_bpb of the counted runs of `group` (on `device` only, if given)."""
-        return [r.val_bpb for r in self.records
+        return [r.bpb for r in self.records
                 if group_of(r) == group and counts(r) and (device is None or r.device == device)]
 
     @property
@@ -110,15 +111,15 @@ class State:
         runs = self.runs(self.baseline_group) if self.baseline_group else []
         return statistics.fmean(runs) if runs else None
 
-    def groups(self, extra: list[Record] = ()) -> dict[tuple[int, str], list[float]]:
+    def groups(self, extra: Sequence[Record] = ()) -> dict[tuple[int, str], list[float]]:
         """The counted runs of every (configuration, device type)."""
         groups: dict[tuple[int, str], list[float]] = {}
         for r in [*self.records, *extra]:
             if counts(r):
-                groups.setdefault((group_of(r), r.device), []).append(r.val_bpb)
+                groups.setdefault((group_of(r), r.device), []).append(r.bpb)
         return groups
 
-    def others(self, device: str, *exclude: int, extra: list[Record] = ()) -> list[list[float]]:
+    def others(self, device: str, *exclude: int, extra: Sequence[Record] = ()) -> list[list[float]]:
         """The runs of every configuration on `device` but those excluded (they give the reference spread)."""
         return [v for (g, d), v in self.groups(extra).items() if d == device and g not in exclude]
 

@@ -57,7 +57,7 @@ def check_edit(ws, wt: git.Repo) -> str:
     if others:
         return f"edited files other than train.py: {', '.join(others[:5])}"
     try:
-        source = (Path(wt.working_tree_dir) / "train.py").read_text()
+        source = (gitops.tree(wt) / "train.py").read_text()
         compile(source, "train.py", "exec")
     except SyntaxError as e:
         return f"train.py does not compile: {e.msg} (line {e.lineno})"
@@ -101,12 +101,13 @@ SCRATCH = {"HOME": f"{OUT}/home", "TMPDIR": f"{OUT}/tmp", "TORCHINDUCTOR_CACHE_D
 def build_job(ws, workdir: Path, run_dir: Path) -> Job:
     """The experiment as the executor runs it: train.py, then (with a harness that saves the model) the
     harness's own evaluation of that model in a process of its own; no step may change a tracked file."""
-    steps, logs, step_env = [[PYTHON, "train.py"]], ["run.log"], [{}]
+    steps, logs = [[PYTHON, "train.py"]], ["run.log"]
+    step_env: list[dict[str, str | None]] = [{}]
     # a harness that finds its data through AUTOLOOP_CACHE (one with a manifest) lets the run have its own HOME
     # (told where the data and the user's site-packages are, as resolved with ours); another (upstream's keeps
     # its data under ~/.cache) keeps the user's
     env = {**ws.env, **{k: v for k, v in SCRATCH.items() if k != "HOME" or ws.info.manifest is not None}}
-    local_only = ()
+    local_only: tuple[str, ...] = ()
     if "HOME" in env and env["HOME"] == SCRATCH["HOME"]:
         local_only = tuple(k for k in ("AUTOLOOP_CACHE", "PYTHONUSERBASE") if k not in ws.env)
         env.setdefault("AUTOLOOP_CACHE", ws.info.cache)
@@ -143,6 +144,8 @@ def corpus_source(ws) -> tuple[str, ...]:
 def evaluation_data(manifest: Path | None) -> tuple[str, ...]:
     """The validation and held-out files of the prepared data, and the directories of an offline corpus's sources
     they were made from (the sandbox hides them from the training step)."""
+    if manifest is None:
+        return ()  # a harness without a manifest (upstream's): nothing known to hide
     try:
         recorded = json.loads(manifest.read_text())
         splits = recorded["splits"]
@@ -189,7 +192,7 @@ def start(ws, executor: Executor, state: State, planned: Planned, slot: Slot, n:
     run.crash = stage(ws, wt, record, prepared)
     if run.crash:
         return
-    run.job = build_job(ws, Path(wt.working_tree_dir), run_dir)
+    run.job = build_job(ws, gitops.tree(wt), run_dir)
     run.handle, run.done = submit(ws, executor, run.job, slot, record), False
     run.started = time.monotonic()
 
@@ -212,7 +215,9 @@ def run_generation(ws, executor: Executor, state: State, planned: list[Planned],
             ideas.ahead(state.best_commit, [*state.records, *(as_running(r.record) for r in runs)], len(slots))
         while True:
             for run in runs:
-                if not run.done and run.handle.done():
+                if run.done or run.handle is None or run.job is None:
+                    continue
+                if run.handle.done():
                     result = run.handle.result()
                     if result.infra_error:
                         infra_retry(ws, executor, run.record, result)
@@ -242,7 +247,7 @@ def run_generation(ws, executor: Executor, state: State, planned: list[Planned],
             write_status(ws.paths, phase="training", running=[
                 {"n": r.record.n, "slot": r.slot.index, "description": r.record.description,
                  "started": r.record.started} for r in runs if not r.done])
-            wait_any([r.handle for r in runs if not r.done], poll_s=0.05, until=time.monotonic() + PROGRESS_TICK_S)
+            wait_any([r.handle for r in runs if not r.done and r.handle], poll_s=0.05, until=time.monotonic() + PROGRESS_TICK_S)
     except BaseException:  # Ctrl-C, SIGTERM, LoopError, a bug: nothing this generation started may outlive it
         stop_runs(runs)
         raise
@@ -251,13 +256,13 @@ def run_generation(ws, executor: Executor, state: State, planned: list[Planned],
 
 def stop_runs(runs: list[Run]) -> None:
     """Cancel every unfinished run and wait (boundedly) until its process tree is gone."""
-    live = [r for r in runs if not r.done and r.handle is not None]
-    for run in live:
-        run.handle.cancel()
+    live = [r.handle for r in runs if not r.done and r.handle is not None]
+    for handle in live:
+        handle.cancel()
     deadline = time.monotonic() + STOP_WAIT_S
-    for run in live:
+    for handle in live:
         try:
-            run.handle.result(timeout=max(0.1, deadline - time.monotonic()))
+            handle.result(timeout=max(0.1, deadline - time.monotonic()))
         except TimeoutError:
             pass  # reported by the caller's last sweep over the pids it started
 

@@ -44,14 +44,14 @@ class Workspace:
         self.repo = gitops.open_repo(settings.repo)
         self.env = harness.run_env(settings.budget, settings.seed, settings.profile, settings.dataset, settings.cache,
                                    tuple(settings.pass_env))
-        self.wt = None
+        self.wt: git.Repo  # the session's worktree: set by open()
         self.info: harness.HarnessInfo | None = None
         self.prepare_sha = self.manifest_digest = ""
         self.baseline_source = ""
         self.queue = Queue(self.paths.queue)
         self.spend = Spend(self.paths.spend, settings.max_tokens, settings.max_cost)
         self.started = time.time()
-        self._proposal_wt = None
+        self._proposal_wt: git.Repo | None = None
         self.pids: dict[str, list[float]] = {}  # slot -> [pid, create time] of the process it runs here
         self._pids_lock = threading.Lock()  # slot threads report pids while the loop records
         self.generation = 0  # generations started by this process
@@ -66,6 +66,8 @@ class Workspace:
 
     def commit_proposal(self, message: str) -> str:
         """Commit what the last proposal left in the proposal worktree (detached; nothing points at it)."""
+        if self._proposal_wt is None:
+            raise LoopError("no proposal to commit: the proposal worktree was never made")
         return gitops.commit_all(self._proposal_wt, message)
 
     @property

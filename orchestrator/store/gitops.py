@@ -16,7 +16,7 @@ import shutil
 import subprocess
 import threading
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, TypeVar
 
 import git
 
@@ -53,7 +53,7 @@ class _Threading:
         return getattr(threading, name)
 
 
-git.cmd.threading = _Threading()  # the module gitpython's execute() takes its Timer from
+git.cmd.threading = _Threading()  # type: ignore[assignment]  # the module gitpython's execute() takes its Timer from
 
 
 class _Git(git.Git):
@@ -76,9 +76,20 @@ class _Git(git.Git):
 
 class _Repo(git.Repo):
     GitCommandWrapperType = _Git
+    git: _Git
 
 
-def isolated(repo: git.Repo) -> git.Repo:
+R = TypeVar("R", bound=git.Repo)
+
+
+def tree(repo: git.Repo) -> Path:
+    """The repository's working tree (autoloop never works in a bare one)."""
+    if not repo.working_tree_dir:
+        raise LoopError(f"{repo.git_dir} is a bare repository; autoloop needs a working tree")
+    return Path(repo.working_tree_dir)
+
+
+def isolated(repo: R) -> R:
     """The repo with every git command it runs isolated from the user's signing, hooks and prompts."""
     repo.git.update_environment(**ISOLATED_ENV)
     return repo
@@ -217,7 +228,7 @@ class Guard:
             with self.lock:
                 self.check()  # gitpython reads the `.git` file once, here: as registered
                 wt = _Repo(path)
-            if Path(wt.git_dir).resolve() == admin.resolve() and Path(wt.working_tree_dir).resolve() == path:
+            if Path(wt.git_dir).resolve() == admin.resolve() and Path(wt.working_tree_dir or "").resolve() == path:
                 break
         else:
             raise LoopError(f"the worktree at {path} does not lead to its git directory {admin}")
@@ -263,7 +274,7 @@ def open_repo(path: Path) -> git.Repo:
                         "(git add -A && git commit -m init)")
     if repo.working_tree_dir:
         repo.git.update_environment(GIT_DIR=str(Path(repo.git_dir).resolve()),
-                                    GIT_WORK_TREE=str(Path(repo.working_tree_dir).resolve()))
+                                    GIT_WORK_TREE=str(tree(repo).resolve()))
     guard = _GUARDS[Path(repo.common_dir).resolve()] = Guard(Path(repo.common_dir).resolve())
     repo.git.guard = guard
     return repo
@@ -276,7 +287,7 @@ def require_clean(repo: git.Repo, files=PROTECTED) -> None:
         names = " and ".join(dirty)
         raise LoopError(f"uncommitted changes to {names}; the loop starts from your last commit. "
                         f"Commit them (git commit -am 'baseline') or discard them (git checkout -- {' '.join(dirty)})")
-    if not (Path(repo.working_tree_dir) / "train.py").exists():
+    if not (tree(repo) / "train.py").exists():
         raise LoopError(f"no train.py in {repo.working_tree_dir}; autoloop edits a train.py at the repo root")
 
 
@@ -314,6 +325,13 @@ def _registered(repo: git.Repo, path: Path) -> git.Repo | None:
     return guard.worktree(path)
 
 
+def _created(repo: git.Repo, path: Path) -> git.Repo:
+    """The worktree git just added at path."""
+    if (wt := _registered(repo, path)) is None:
+        raise LoopError(f"git added a worktree at {path} but does not list it (git worktree list)")
+    return wt
+
+
 def ensure_worktree(repo: git.Repo, tag: str, path: Path) -> git.Repo:
     """The worktree of branch autoloop/<tag> at path: reused, re-attached or created from HEAD."""
     branch = f"autoloop/{tag}"
@@ -335,7 +353,7 @@ def ensure_worktree(repo: git.Repo, tag: str, path: Path) -> git.Repo:
             repo.git.worktree("add", "-b", branch, str(path), "HEAD")
     except git.GitCommandError as e:
         raise LoopError(f"could not create the worktree for {branch} at {path}: {e.stderr.strip()}") from None
-    return _registered(repo, path)
+    return _created(repo, path)
 
 
 def changed_files(wt: git.Repo) -> list[str]:
@@ -364,7 +382,7 @@ def commit_paths(repo: git.Repo, message: str, paths: list[str]) -> None:
 
 def keep_only(wt: git.Repo, name: str) -> None:
     """Drop every change in the worktree but those to `name`."""
-    path = Path(wt.working_tree_dir) / name
+    path = tree(wt) / name
     content = path.read_bytes() if path.is_file() else None
     reset_to(wt, "HEAD")
     if content is not None:
@@ -417,7 +435,7 @@ def ensure_detached_worktree(repo: git.Repo, path: Path, commit: str) -> git.Rep
     _put(path, None)
     path.parent.mkdir(parents=True, exist_ok=True)
     repo.git.worktree("add", "--detach", str(path), commit)
-    return _registered(repo, path)
+    return _created(repo, path)
 
 
 def checkout_clean(wt: git.Repo, commit: str) -> None:

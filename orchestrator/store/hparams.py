@@ -132,7 +132,7 @@ def _read_constants(source: str, profile: str | None) -> tuple[Constant, ...]:
         if re.search(r"#.*\[fixed\]\s*$", lines[node.lineno - 1]):
             continue  # the author marked it as not a hyperparameter to search
         low, high, choices = _parse_comment(lines[node.lineno - 1], profile)
-        constants.append(Constant(name, value, node.lineno, value_node.col_offset, value_node.end_col_offset,
+        constants.append(Constant(name, value, node.lineno, value_node.col_offset, value_node.end_col_offset or 0,
                                   text, low, high, choices, prof))
     return tuple(constants)
 

@@ -56,6 +56,13 @@ class Record:
     phase: str = ""  # where a crash happened: propose, check, train, evaluate, audit
     cause: str = ""  # a crash's cause: idea | environment (the search learns nothing from the environment's)
 
+    @property
+    def bpb(self) -> float:
+        """val_bpb of a run that measured one (asked only of runs that did: a crash has none)."""
+        if self.val_bpb is None:
+            raise ValueError(f"experiment {self.n} ({self.status}) has no val_bpb")
+        return self.val_bpb
+
 
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)

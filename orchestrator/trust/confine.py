@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Iterable
+from collections.abc import Iterable, Mapping
 
 ALLOWED = {"PATH", "HOME", "TMPDIR", "PYTHONUSERBASE", "PYTHONNOUSERSITE", "XDG_CONFIG_HOME", "XDG_DATA_HOME", "LANG", "LANGUAGE", "TZ", "TERM", "USER", "LOGNAME", "SHELL", "PYTHONPATH", "PYTHONHASHSEED",
            "PYTHONUNBUFFERED", "VIRTUAL_ENV", "CONDA_PREFIX", "CONDA_DEFAULT_ENV", "LD_LIBRARY_PATH",
@@ -43,21 +43,21 @@ def allowed_env(environ: dict[str, str] | None = None, pass_env: tuple[str, ...]
     return out
 
 
-def secret_values(environ: dict[str, str] | None = None) -> list[str]:
+def secret_values(environ: Mapping[str, str] | None = None) -> list[str]:
     """The values of the controller's secret-looking variables, longest first."""
-    environ = os.environ if environ is None else environ
-    return sorted({v for k, v in environ.items() if SECRET_NAME.search(k) and len(v) >= MIN_SECRET_CHARS},
+    env = os.environ if environ is None else environ
+    return sorted({v for k, v in env.items() if SECRET_NAME.search(k) and len(v) >= MIN_SECRET_CHARS},
                   key=len, reverse=True)
 
 
-def redact(text: str, environ: dict[str, str] | None = None) -> str:
+def redact(text: str, environ: Mapping[str, str] | None = None) -> str:
     """`text` with every secret value of the controller's environment replaced by [redacted NAME]."""
-    environ = os.environ if environ is None else environ
-    names = {}
-    for k, v in environ.items():
+    env = os.environ if environ is None else environ
+    names: dict[str, str] = {}
+    for k, v in env.items():
         if SECRET_NAME.search(k) and len(v) >= MIN_SECRET_CHARS:
             names.setdefault(v, k)
-    for value in secret_values(environ):
+    for value in secret_values(env):
         text = text.replace(value, f"[redacted {names[value]}]")
     return text
 

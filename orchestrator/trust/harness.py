@@ -145,7 +145,7 @@ def prepare(workdir: Path, env: dict[str, str], echo=print, force: bool = False)
                             stderr=subprocess.STDOUT, text=True)
     tail: list[str] = []
     try:
-        for line in proc.stdout:
+        for line in proc.stdout or ():
             echo("  " + line.rstrip())
             tail = (tail + [line.rstrip()])[-5:]
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: stop the downloads too (they resume on the next run)

@@ -15,6 +15,7 @@ import functools
 import math
 import os
 import re
+from collections.abc import Mapping
 from urllib.parse import quote, quote_plus
 
 from .confine import MIN_SECRET_CHARS, SECRET_NAME
@@ -44,11 +45,11 @@ def encodings(value: str) -> set[str]:
     return {text for text in out if len(text) >= MIN_SECRET_CHARS}
 
 
-def secrets(environ: dict[str, str] | None = None) -> tuple[tuple[str, str], ...]:
+def secrets(environ: Mapping[str, str] | None = None) -> tuple[tuple[str, str], ...]:
     """(value, name) of each secret-looking variable of the controller's environment."""
-    environ = os.environ if environ is None else environ
+    env = os.environ if environ is None else environ
     found: dict[str, str] = {}
-    for name, value in sorted(environ.items()):
+    for name, value in sorted(env.items()):
         if SECRET_NAME.search(name) and len(value) >= MIN_SECRET_CHARS:
             found.setdefault(value, name)
     return tuple(found.items())
