@@ -24,7 +24,7 @@ from .core.holdout import due, holdout_check
 from .core.judge import Finished, decide
 from .store.ledger import Record
 from .core.noise import load_statistics, significant_lines
-from .core.plan import Ideas, plan
+from .core.plan import Ideas, Kind, plan
 from .core.progress import Progress
 from .proposers import Context, load
 from .store.session import Lock, write_status
@@ -172,7 +172,7 @@ def finished(ws: Workspace, state: State, run: Run) -> Finished:
         record.cause = run.crash.cause.value
         return Finished(record, run.kind, crashed=True)
     shorter = False
-    if run.kind in ("candidate", "rerun", "confirm") and state.best_group:
+    if run.kind in (Kind.CANDIDATE, Kind.RERUN, Kind.CONFIRM) and state.best_group:
         lines = [significant_lines(ws.repo.git.show(f"{commit}:train.py")) for commit in (record.commit,
                                                                                            state.best_commit)]
         shorter = lines[0] < lines[1]
@@ -229,7 +229,7 @@ def check_health(ws: Workspace, state: State, runs: list[Run]) -> None:
     best_runs = [r for r in state.records if group_of(r) == state.best_group and r.n != state.best_run]
     for run in runs:
         again = best_runs[-2:]
-        if run.kind == "parent" and run.crash and (run.crash.cause == Cause.ENVIRONMENT or len(again) == 2 and all(
+        if run.kind == Kind.PARENT and run.crash and (run.crash.cause == Cause.ENVIRONMENT or len(again) == 2 and all(
                 r.status == Status.CRASH for r in again)):
             raise LoopError(f"experiment {run.record.n}, a run of the unchanged best that ran before, crashed "
                             f"({run.record.reason}): the environment is failing, not an idea. Fix it (see "

@@ -8,7 +8,7 @@ import json
 import secrets
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TYPE_CHECKING
 
 from ..trust.evaluation import RESULT, evaluator_flags, holdout_text, read_evaluation, read_result
 from ..trust.summary import read_tail
@@ -16,10 +16,13 @@ from ..executors import OUT, PYTHON, Executor, Job
 from ..store.ledger import write_json_atomic
 from .state import State, group_of
 
+if TYPE_CHECKING:
+    from .workspace import Workspace
+
 MAX_ATTEMPTS = 4  # the executor may fail (a lost node); the evaluation itself is not retried
 
 
-def due(ws, state: State) -> bool:
+def due(ws: Workspace, state: State) -> bool:
     """Is there a best other than the baseline, with saved models, and no check of it yet?"""
     if not (ws.info and ws.info.artifacts) or state.best_run in (0, state.baseline_run):
         return False
@@ -30,7 +33,7 @@ def due(ws, state: State) -> bool:
         return True
 
 
-def holdout_check(ws, executor: Executor, state: State, echo: Callable[[str], None]) -> dict | None:
+def holdout_check(ws: Workspace, executor: Executor, state: State, echo: Callable[[str], None]) -> dict | None:
     """Run the check if it is due; write holdout.json and print one line. None when there is nothing to check."""
     if not due(ws, state):
         return None
@@ -51,7 +54,7 @@ def holdout_check(ws, executor: Executor, state: State, echo: Callable[[str], No
     return result
 
 
-def evaluate(ws, executor: Executor, commit: str, artifact: Path, out: Path) -> tuple[float | None, str]:
+def evaluate(ws: Workspace, executor: Executor, commit: str, artifact: Path, out: Path) -> tuple[float | None, str]:
     """The held-out bits per byte of a saved model, measured by prepare.py at `commit`, on the executor's first
     slot (on a cluster the model travels to a GPU node; nothing is evaluated on the controller's CPU)."""
     try:
@@ -59,7 +62,7 @@ def evaluate(ws, executor: Executor, commit: str, artifact: Path, out: Path) -> 
     except Exception as e:  # noqa: BLE001 - e.g. a copied .autoloop/ whose worktrees are gone
         return None, f"cannot check out {commit[:7]}: {str(e).strip().splitlines()[-1][:200]}"
     nonce = secrets.token_hex(16)
-    channel = ["--result", f"{OUT}/{RESULT}"] if ws.info.result_file else []
+    channel = ["--result", f"{OUT}/{RESULT}"] if ws.harness_info.result_file else []
     job = Job(steps=[[PYTHON, *evaluator_flags(ws.info), "prepare.py", "--evaluate", f"{OUT}/model.pt", "--split", "holdout", *channel]],
               logs=["eval.log"], env={k: v for k, v in ws.env.items() if k != "AUTOLOOP_EVAL_ARTIFACT"},
               timeout_s=ws.settings.hard_timeout, workdir=ws.paths.proposal, out_dir=out,

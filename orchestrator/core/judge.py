@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from ..trust import redaction
 from ..store.ledger import Record, Row
 from .noise import Gate, Verdict, judge
+from .plan import Kind
 from .state import Decision, State, Status, counts, group_of
 
 
@@ -26,7 +27,7 @@ DISTURBED = 0.7  # a run below this share of its twins' median throughput was sl
 @dataclass
 class Finished:
     record: Record
-    kind: str  # baseline | parent | candidate | rerun | confirm
+    kind: Kind
     crashed: bool = False
     shorter: bool = False  # its train.py has fewer significant lines than the best's
     disturbed: str = ""  # why its throughput says it was slowed from outside (set by decide)
@@ -54,7 +55,7 @@ def disturbance(state: State, run: Finished) -> str:
         return ""
     same = [x for x in state.records if counts(x) and x.device == r.device]
     twins, unit, whose = [x for x in same if group_of(x) == group], "steps", "its twins'"
-    if not twins and run.kind == "candidate":
+    if not twins and run.kind == Kind.CANDIDATE:
         size = r.metrics.get("num_params_M")
         twins = [x for x in same if group_of(x) == state.best_group and x.metrics.get("num_params_M") == size]
         unit, whose = "tokens", "the best's (same model size)"
@@ -88,14 +89,14 @@ def decide(state: State, runs: list[Finished], gate: Gate) -> None:
 
     def parent_on(device: str) -> list[float]:
         return state.runs(state.best_group, device) + [
-            r.record.bpb for r in ok if r.kind == "parent" and r.record.device == device]
+            r.record.bpb for r in ok if r.kind == Kind.PARENT and r.record.device == device]
 
     for run in ok:
-        if run.kind == "parent":
+        if run.kind == Kind.PARENT:
             parent = parent_on(run.record.device)
             run.record.gate = {"decision": Decision.REPEAT, "runs": len(parent), "mean": statistics.fmean(parent),
                                "why": str(run.record.info.get("repeat", ""))}
-    candidates = [r for r in ok if r.kind == "candidate"]
+    candidates = [r for r in ok if r.kind == Kind.CANDIDATE]
     for run in candidates:
         parent = parent_on(run.record.device)
         if not parent:
@@ -106,12 +107,12 @@ def decide(state: State, runs: list[Finished], gate: Gate) -> None:
         run.record.gate = gate_fields(verdict, [run.record.bpb], parent)
     if len(candidates) > 1:
         select(candidates)
-    followups = [r for r in ok if r.kind in ("rerun", "confirm")]
+    followups = [r for r in ok if r.kind in (Kind.RERUN, Kind.CONFIRM)]
     if followups:
         settle(state, followups, parent_on, others(followups[-1]), gate)
     if followups and any(r.record.gate.get("decision") == Decision.RERUN for r in followups):
         for run in runs:  # a crashed run of the candidate does not undo "run it again"
-            if run.crashed and run.kind in ("rerun", "confirm"):
+            if run.crashed and run.kind in (Kind.RERUN, Kind.CONFIRM):
                 run.record.gate = {"decision": Decision.CONFIRMING, "note": "crashed confirmation run"}
     for run in ok:
         if run.record.gate.get("decision") == Decision.KEEP:
@@ -119,12 +120,12 @@ def decide(state: State, runs: list[Finished], gate: Gate) -> None:
     rerun_taken = any(r.record.gate.get("decision") == Decision.RERUN for r in ok) or \
         (state.pending is not None and not followups)
     for run in (r for r in runs if r.disturbed):
-        if run.kind in ("rerun", "confirm"):  # the pending candidate stays pending: it runs again
+        if run.kind in (Kind.RERUN, Kind.CONFIRM):  # the pending candidate stays pending: it runs again
             decision = Decision.CONFIRMING
-        elif run.kind == "candidate" and not rerun_taken:
+        elif run.kind == Kind.CANDIDATE and not rerun_taken:
             decision, rerun_taken = Decision.RERUN, True
         else:
-            decision = Decision.REPEAT if run.kind in ("parent", "baseline") else Decision.DISCARD
+            decision = Decision.REPEAT if run.kind in (Kind.PARENT, Kind.BASELINE) else Decision.DISCARD
         again = decision != Decision.DISCARD
         run.record.gate = {"decision": decision, "runs": 1, "disturbed": run.disturbed,
                            "note": f"{run.disturbed}: {'not counted, running again' if again else 'not judged'}"}

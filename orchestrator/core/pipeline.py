@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, TYPE_CHECKING
 
 from ..store import gitops
 from ..executors.background import Background
 from ..store.ledger import Record
 from ..proposers import Proposal, ProposalFailed, Proposer
 from ..proposers.queue import apply_idea
+
+if TYPE_CHECKING:
+    from .workspace import Workspace
 
 
 @dataclass
@@ -36,7 +39,7 @@ class Prepared:
     waited: float = 0.0  # how long the loop waited for it (0 when it was made while others trained)
 
 
-def make_proposal(ws, proposer: Proposer, base: str, history: list[Record]) -> Prepared:
+def make_proposal(ws: Workspace, proposer: Proposer, base: str, history: list[Record]) -> Prepared:
     """One idea on top of `base`, made in the session's proposal worktree."""
     t0 = time.monotonic()
     wt = ws.proposal_worktree(base)
@@ -67,7 +70,7 @@ def make_proposal(ws, proposer: Proposer, base: str, history: list[Record]) -> P
     return prepared
 
 
-def carry(ws, prepared: Prepared, best: str) -> Prepared | None:
+def carry(ws: Workspace, prepared: Prepared, best: str) -> Prepared | None:
     """An idea made on an older best, re-applied on `best` (three-way); None if it does not carry over (or
     had failed: ask again). Uses the branch worktree, which stands at `best`."""
     if prepared.base == best or prepared.exhausted:

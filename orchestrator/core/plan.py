@@ -9,10 +9,13 @@ ideas are made while one trains (`Ideas.ahead`) and carried over to a new best w
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import Enum
 
 from ..store.ledger import Record
 from .noise import parent_first
@@ -20,14 +23,27 @@ from .pipeline import Prefetch, Prepared, carry, make_proposal
 from ..proposers import Proposer
 from .state import State, group_of
 
+if TYPE_CHECKING:
+    from .workspace import Workspace
+
 MAX_DUPLICATE_ASKS = 3  # ask again this often when a proposal repeats one already in the generation
 CANCEL_WAIT_S = 15.0  # how long a stop waits for an idea being made to give up (its agent is killed)
+
+
+class Kind(str, Enum):
+    """Why a run is in a generation; the judge reads each kind its own way."""
+
+    BASELINE = "baseline"  # the starting train.py (its first runs measure the noise)
+    PARENT = "parent"  # the best again: sharpens its mean, measures sigma
+    CANDIDATE = "candidate"  # a new idea
+    RERUN = "rerun"  # a pending candidate again (inside the margin)
+    CONFIRM = "confirm"  # a best-of-k pick run again before it is kept
 
 
 @dataclass
 class Planned:
     prepared: Prepared
-    kind: str  # baseline | parent | candidate | rerun | confirm
+    kind: Kind
 
 
 class Ideas:
@@ -72,7 +88,7 @@ class Ideas:
         return prefetch is None or prefetch.wait(CANCEL_WAIT_S)
 
 
-def candidates(ws, proposer: Proposer, best: str, records: list[Record], count: int,
+def candidates(ws: Workspace, proposer: Proposer, best: str, records: list[Record], count: int,
                earlier: Sequence[Prepared] = ()) -> list[Prepared]:
     """Up to `count` distinct ideas on `best`. Each one sees the ideas made before it (`earlier` too) as
     experiments in flight, with a commit the proposer can read."""
@@ -106,7 +122,7 @@ def as_running(record: Record) -> Record:
                   parent=record.parent, info=record.info, group=record.group)
 
 
-def again(ws, state: State, first: Record, description: str, info: dict, kind: str) -> Planned:
+def again(ws: Workspace, state: State, first: Record, description: str, info: dict, kind: Kind) -> Planned:
     """A run of an earlier candidate's edit again, on the best (the one it was made on: a pending candidate
     keeps the best where it is)."""
     kept = {k: v for k, v in first.info.items() if k not in ("queue_id", "usage", "infra_failures")}
@@ -118,23 +134,23 @@ def again(ws, state: State, first: Record, description: str, info: dict, kind: s
 def parent_run(state: State, why: str, label: str = "") -> Planned:
     name = "baseline" if state.best_group == state.baseline_group else "parent"
     return Planned(Prepared(base=state.best_commit, description=label or f"{name} (repeat: {why})",
-                            group=state.best_group, info={"repeat": why}), "parent")
+                            group=state.best_group, info={"repeat": why}), Kind.PARENT)
 
 
-def plan(ws, ideas: Ideas, state: State, slots: int) -> list[Planned]:
+def plan(ws: Workspace, ideas: Ideas, state: State, slots: int) -> list[Planned]:
     """The runs of the next generation (at most `slots`); [] when the proposer has no more ideas."""
     s, best = ws.settings, state.best_commit
     if not state.best_group:
         first = "baseline" if state.done == 0 else "baseline (retry)"
         return [Planned(Prepared(base=best, description=first if i == 0 else f"baseline (slot {i + 1})",
-                                 group=state.done + 1), "baseline") for i in range(slots)]
+                                 group=state.done + 1), Kind.BASELINE) for i in range(slots)]
     if state.pending is not None:
         pending = next(r for r in state.records if r.n == state.pending)
         again_runs: list[Planned]
         if pending.gate.get("selection"):  # a best-of-k pick: confirm it on half the slots
             k = max(1, math.ceil(slots / 2))
             again_runs = [again(ws, state, pending, f"{pending.description} (confirmation {i + 1}/{k})",
-                                {"confirm": i + 1}, "confirm") for i in range(k)]
+                                {"confirm": i + 1}, Kind.CONFIRM) for i in range(k)]
         else:
             device = state.records[-1].device
             mine, parents = state.runs(state.pending, device), state.runs(state.best_group, device)
@@ -143,7 +159,7 @@ def plan(ws, ideas: Ideas, state: State, slots: int) -> list[Planned]:
                 return [parent_run(state, f"sharpening the comparison with pending run {state.pending}")]
             n = sum(1 for r in state.records if group_of(r) == state.pending) + 1
             again_runs = [again(ws, state, pending, f"{pending.description} (repeat {n}/{s.gate.max_repeats})",
-                                {"repeat": n}, "rerun")]
+                                {"repeat": n}, Kind.RERUN)]
         return again_runs + [parent_run(state, "confirmation") for _ in range(slots - len(again_runs))]
     runs: list[Planned] = []
     wanted, base = 1 + s.baseline_repeats, state.baseline_group
@@ -161,4 +177,4 @@ def plan(ws, ideas: Ideas, state: State, slots: int) -> list[Planned]:
     if len(runs) == slots:
         return runs
     fresh = ideas.take(best, state.records, slots - len(runs))
-    return runs + [Planned(p, "candidate") for p in fresh] if fresh else []
+    return runs + [Planned(p, Kind.CANDIDATE) for p in fresh] if fresh else []

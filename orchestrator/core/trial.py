@@ -6,6 +6,8 @@ What counts is the harness's measurement of the saved model, never the number tr
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import json
 import os
 import secrets
@@ -25,11 +27,14 @@ from ..trust.evaluation import RESULT, audit_clock, compare_printed, evaluator_f
 from ..executors import OUT, PYTHON, Executor, Handle, Job, JobResult, Slot, wait_any
 from ..trust.guard import new_violations
 from ..store.ledger import Record
-from .plan import Ideas, Planned, as_running, parent_run
+from .plan import Ideas, Kind, Planned, as_running, parent_run
 from .progress import Progress, format_eta, last_step
 from ..store.session import write_status
 from .state import Cause, Crash, Phase, State, counts, group_of
 from ..trust.summary import environment_error, last_error_line, parse_summary, read_tail, val_bpb_of
+
+if TYPE_CHECKING:
+    from .workspace import Workspace
 
 PROGRESS_TICK_S = 1.0
 MAX_INFRA_RETRIES = 3  # executor failures (node lost, worker died) of one experiment before the loop stops
@@ -40,7 +45,7 @@ STOP_WAIT_S = 30.0  # how long a stop waits for cancelled runs to end (their tre
 @dataclass
 class Run:
     record: Record
-    kind: str
+    kind: Kind
     slot: Slot
     handle: Handle | None = None
     job: Job | None = None
@@ -49,7 +54,7 @@ class Run:
     done: bool = False
 
 
-def check_edit(ws, wt: git.Repo) -> str:
+def check_edit(ws: Workspace, wt: git.Repo) -> str:
     """Why the proposed edit in worktree wt may not run ('' if it may): only train.py changed, it compiles, and
     it leaves alone what the controller and prepare.py own (seed, budget, evaluation, validation data)."""
     changed = gitops.changed_files(wt)
@@ -67,7 +72,7 @@ def check_edit(ws, wt: git.Repo) -> str:
     return f"tampering: {'; '.join(tampering)}" if tampering else ""
 
 
-def stage(ws, wt: git.Repo, record: Record, prepared) -> Crash | None:
+def stage(ws: Workspace, wt: git.Repo, record: Record, prepared) -> Crash | None:
     """Apply the idea in worktree wt (at its base), check it, and commit it (a failed idea too, so every row
     has a commit); returns why it may not run, or None."""
     t = time.monotonic()
@@ -98,7 +103,7 @@ SCRATCH = {"HOME": f"{OUT}/home", "TMPDIR": f"{OUT}/tmp", "TORCHINDUCTOR_CACHE_D
            "TRITON_CACHE_DIR": f"{OUT}/tmp/triton", "XDG_CACHE_HOME": f"{OUT}/tmp/xdg"}
 
 
-def build_job(ws, workdir: Path, run_dir: Path) -> Job:
+def build_job(ws: Workspace, workdir: Path, run_dir: Path) -> Job:
     """The experiment as the executor runs it: train.py, then (with a harness that saves the model) the
     harness's own evaluation of that model in a process of its own; no step may change a tracked file."""
     steps, logs = [[PYTHON, "train.py"]], ["run.log"]
@@ -106,17 +111,17 @@ def build_job(ws, workdir: Path, run_dir: Path) -> Job:
     # a harness that finds its data through AUTOLOOP_CACHE (one with a manifest) lets the run have its own HOME
     # (told where the data and the user's site-packages are, as resolved with ours); another (upstream's keeps
     # its data under ~/.cache) keeps the user's
-    env = {**ws.env, **{k: v for k, v in SCRATCH.items() if k != "HOME" or ws.info.manifest is not None}}
+    env = {**ws.env, **{k: v for k, v in SCRATCH.items() if k != "HOME" or ws.harness_info.manifest is not None}}
     local_only: tuple[str, ...] = ()
     if "HOME" in env and env["HOME"] == SCRATCH["HOME"]:
         local_only = tuple(k for k in ("AUTOLOOP_CACHE", "PYTHONUSERBASE") if k not in ws.env)
-        env.setdefault("AUTOLOOP_CACHE", ws.info.cache)
+        env.setdefault("AUTOLOOP_CACHE", ws.harness_info.cache)
         env.setdefault("PYTHONUSERBASE", site.getuserbase())
     stdin: list[str | None] = [None]
-    if ws.info.artifacts:
+    if ws.harness_info.artifacts:
         env["AUTOLOOP_EVAL_ARTIFACT"] = f"{OUT}/model.pt"
         steps.append([PYTHON, *evaluator_flags(ws.info), "prepare.py", "--evaluate", f"{OUT}/model.pt", "--split",
-                      "val", *(["--result", f"{OUT}/{RESULT}"] if ws.info.result_file else [])])
+                      "val", *(["--result", f"{OUT}/{RESULT}"] if ws.harness_info.result_file else [])])
         logs.append("eval.log")
         step_env.append({"AUTOLOOP_EVAL_ARTIFACT": None})
         stdin.append(secrets.token_hex(16) + "\n")  # the result counts only with this run's nonce
@@ -124,18 +129,19 @@ def build_job(ws, workdir: Path, run_dir: Path) -> Job:
     return Job(steps=steps, logs=logs, env=env, timeout_s=ws.settings.hard_timeout, workdir=workdir,
                out_dir=run_dir, watch=watch, step_env=step_env, log_cap=int(ws.settings.max_log_mb * (1 << 20)),
                step_stdin=stdin, sandbox=ws.sandbox, local_only=local_only,
-               step_hidden=[evaluation_data(ws.info.manifest) + corpus_source(ws)])  # what it is scored on
+               step_hidden=[evaluation_data(ws.harness_info.manifest) + corpus_source(ws)])  # what it is scored on
 
 
-def corpus_source(ws) -> tuple[str, ...]:
+def corpus_source(ws: Workspace) -> tuple[str, ...]:
     """A local corpus (`--dataset DIR`): the training step needs only the prepared shards, and from the source
     it could rebuild the validation split. (The offline corpora, made of the machine's own Python files that a
     run needs to run at all, are scored on test suites only, hidden through the manifest: evaluation_data.)
     Never a directory that holds the repository or the prepared data."""
-    dataset = Path(str(ws.info.dataset or "")).expanduser()
-    if not dataset.is_absolute() or not dataset.is_dir():
+    info = ws.info
+    dataset = Path(str(info.dataset or "") if info else "").expanduser()
+    if info is None or not dataset.is_absolute() or not dataset.is_dir():
         return ()
-    inside = [ws.settings.repo, Path(ws.info.cache or "/")]
+    inside = [ws.settings.repo, Path(info.cache or "/")]
     if any(path.resolve().is_relative_to(dataset.resolve()) for path in inside):
         return ()
     return (str(dataset),)
@@ -155,7 +161,7 @@ def evaluation_data(manifest: Path | None) -> tuple[str, ...]:
         return ()  # a harness without a manifest (upstream's): nothing known to hide
 
 
-def submit(ws, executor: Executor, job: Job, slot: Slot, record: Record) -> Handle:
+def submit(ws: Workspace, executor: Executor, job: Job, slot: Slot, record: Record) -> Handle:
     """Start the job; the pids of its processes on this machine go to status.json (resume kills orphans)."""
     def on_start(pid: int) -> None:
         try:
@@ -169,7 +175,7 @@ def submit(ws, executor: Executor, job: Job, slot: Slot, record: Record) -> Hand
     return executor.submit(job, slot)
 
 
-def start(ws, executor: Executor, state: State, planned: Planned, slot: Slot, n: int, proposer: str,
+def start(ws: Workspace, executor: Executor, state: State, planned: Planned, slot: Slot, n: int, proposer: str,
           runs: list[Run]) -> None:
     """Stage the run in its slot's worktree and submit it, listed in `runs` before it starts (whatever stops
     the generation cancels it); a run whose idea may not run is done at once."""
@@ -197,7 +203,7 @@ def start(ws, executor: Executor, state: State, planned: Planned, slot: Slot, n:
     run.started = time.monotonic()
 
 
-def run_generation(ws, executor: Executor, state: State, planned: list[Planned], ideas: Ideas, progress: Progress,
+def run_generation(ws: Workspace, executor: Executor, state: State, planned: list[Planned], ideas: Ideas, progress: Progress,
                    remaining: int | None) -> list[Run]:
     """Start every planned run, refill slots freed early with runs of the best, wait for all; runs by number.
     With pipelining the next generation's ideas are made meanwhile."""
@@ -224,7 +230,7 @@ def run_generation(ws, executor: Executor, state: State, planned: list[Planned],
                         run.handle = submit(ws, executor, run.job, run.slot, run.record)
                         continue
                     run.crash, run.done = measure_safely(ws, run.record, result, run.job, startup,
-                                                         run.kind not in ("baseline", "parent")), True
+                                                         run.kind not in (Kind.BASELINE, Kind.PARENT)), True
                     if problems := ws.integrity_problems():  # the run changed prepare.py or the data
                         run.crash = Crash(f"the run changed the harness: {'; '.join(problems)}", Phase.AUDIT)
                         ws.restore_harness()
@@ -267,7 +273,7 @@ def stop_runs(runs: list[Run]) -> None:
             pass  # reported by the caller's last sweep over the pids it started
 
 
-def infra_retry(ws, executor: Executor, record: Record, result: JobResult) -> None:
+def infra_retry(ws: Workspace, executor: Executor, record: Record, result: JobResult) -> None:
     """Note an executor failure on the record; give up (LoopError) once it keeps happening."""
     failures = record.info.setdefault("infra_failures", [])
     failures.append(result.infra_error)
@@ -279,7 +285,7 @@ def infra_retry(ws, executor: Executor, record: Record, result: JobResult) -> No
             f"running it again ({len(failures)}/{MAX_INFRA_RETRIES})")
 
 
-def measure_safely(ws, record: Record, result: JobResult, job: Job, startup: float | None,
+def measure_safely(ws: Workspace, record: Record, result: JobResult, job: Job, startup: float | None,
                    audit: bool) -> Crash | None:
     """measure(), where anything unreadable a run left is its crash, never an exception out of the loop (which
     a resume would meet again: a poison pill)."""
@@ -298,7 +304,7 @@ def learned_startup(state: State, budget: float) -> float | None:
     return max(0.0, max(walls) - budget) if walls else None
 
 
-def measure(ws, record: Record, result: JobResult, job: Job, startup: float | None = None,
+def measure(ws: Workspace, record: Record, result: JobResult, job: Job, startup: float | None = None,
             audit: bool = True) -> Crash | None:
     """Read what the run left (its summary, the harness's measurement, the clock) into the record; returns why
     it is a crash, or None. The number that counts is the harness's, never the one train.py printed."""
@@ -331,7 +337,7 @@ def measure(ws, record: Record, result: JobResult, job: Job, startup: float | No
     if audit and (why := audit_clock(record.metrics, s.budget, result.ages.get("model.pt"), s.startup_allowance,
                                      train_step.wall_s, startup)):
         return Crash(why, Phase.AUDIT)
-    if not ws.info.artifacts:  # a harness without artifacts (e.g. upstream's): its printed number
+    if not ws.harness_info.artifacts:  # a harness without artifacts (e.g. upstream's): its printed number
         record.val_bpb = printed
         return None if printed is not None else \
             Crash(f"val_bpb is not finite ({record.metrics['val_bpb']})", Phase.EVALUATE)
@@ -344,7 +350,7 @@ def measure(ws, record: Record, result: JobResult, job: Job, startup: float | No
     if eval_step.timed_out:
         return Crash(f"the harness evaluation timed out after {s.hard_timeout:.0f}s", Phase.EVALUATE)
     nonce = (job.step_stdin[1] or "").strip() if len(job.step_stdin) > 1 else ""
-    if ws.info.result_file:
+    if ws.harness_info.result_file:
         measured, found, why = read_result(Path(eval_step.log).parent / RESULT, nonce, eval_step.exit_code)
     else:  # a prepare.py from before the result file: its printed line (see the note at start)
         measured, found, why = read_evaluation(read_tail(eval_step.log))
@@ -359,7 +365,7 @@ def measure(ws, record: Record, result: JobResult, job: Job, startup: float | No
     return Crash(why, Phase.AUDIT) if why else None
 
 
-def progress_text(ws, state: State, runs: list[Run]) -> str:
+def progress_text(ws: Workspace, state: State, runs: list[Run]) -> str:
     """One run: #n elapsed/budget | step, budget %, loss. Several: each one's time. Then the best so far and the
     session's ETA when it is bounded."""
     s = ws.settings

@@ -71,6 +71,13 @@ class Workspace:
         return gitops.commit_all(self._proposal_wt, message)
 
     @property
+    def harness_info(self) -> harness.HarnessInfo:
+        """What open() found of the pinned harness (prepare.py: profile, data, evaluation)."""
+        if self.info is None:
+            raise LoopError("the workspace is not open yet: no harness was queried")
+        return self.info
+
+    @property
     def profile(self) -> str | None:
         return self.info.profile if self.info and self.info.profile else self.settings.profile
 
