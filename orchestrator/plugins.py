@@ -1,8 +1,9 @@
-"""One plugin mechanism for proposers and executors: entry-point groups, built-ins registered the same way.
+"""One plugin mechanism for proposers, executors and trackers: entry-point groups, built-ins registered alike.
 
-A plugin is a class registered under a name in `autoloop.proposers` or `autoloop.executors` (see
-pyproject.toml), or named directly as `module:Class`. Each one declares the command-line options it takes
-(`options`: click.Option objects); `autoloop run` offers them all, and hands a plugin the values of its own.
+A plugin is a class registered under a name in `autoloop.proposers`, `autoloop.executors` or `autoloop.trackers`
+(see pyproject.toml), or named directly as `module:Class`. Proposers and executors declare the command-line
+options they take (`options`: click.Option objects); `autoloop run` offers them all, and hands a plugin the
+values of its own. A tracker takes its settings from its library's environment variables (MLFLOW_TRACKING_URI).
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ from importlib.metadata import entry_points
 
 from . import LoopError
 
-GROUPS = {"proposer": "autoloop.proposers", "executor": "autoloop.executors"}
+GROUPS = {"proposer": "autoloop.proposers", "executor": "autoloop.executors", "tracker": "autoloop.trackers"}
 
 
 def registered(kind: str) -> dict:
-    """name -> entry point, for kind "proposer" or "executor"."""
+    """name -> entry point, for a kind of GROUPS ("proposer", "executor", "tracker")."""
     return {ep.name: ep for ep in entry_points(group=GROUPS[kind])}
 
 

@@ -1,5 +1,6 @@
-"""--tracker mlflow|wandb: real sessions of the loop mirrored to a real MLflow server and to W&B's offline files,
-read back through MlflowClient and wandb's own record format; a tracker that is down warns once, nothing more."""
+"""--tracker NAME: real sessions of the loop mirrored to a real MLflow server, to W&B's offline files and to
+TensorBoard's event files, read back through MlflowClient, wandb's own record format and TensorBoard's own reader;
+a tracker that is down warns once, nothing more; trackers are plugins, found by name or as module:Class."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import struct
@@ -22,10 +24,14 @@ import pytest
 from click.testing import CliRunner
 
 import fakes
+from orchestrator import LoopError
 from orchestrator.cli import main
+from orchestrator.core.settings import Settings
+from orchestrator.loop import run_loop
 from orchestrator.store.ledger import read_rows
 from orchestrator.store.session import Paths
-from orchestrator.trackers.base import MLflow, loss_curve
+from orchestrator.trackers.base import Backend, Trackers, loss_curve
+from orchestrator.trackers.mlflow import MLflow
 
 
 def train(bpb: float, lr: float = 0.04) -> str:
@@ -56,7 +62,7 @@ def tracker_env(monkeypatch):
     monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
     monkeypatch.setenv("DO_NOT_TRACK", "true")
     for key in [*MLflow.ENV, "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "WANDB_PROJECT", "WANDB_API_KEY",
-                "WANDB_DISABLE_WEAVE", "WANDB_SILENT"]:
+                "WANDB_DISABLE_WEAVE", "WANDB_SILENT", "TENSORBOARD_LOGDIR"]:
         monkeypatch.setenv(key, "")  # remembers the value to restore ...
         monkeypatch.delenv(key)  # ... and leaves it unset for the test
 
@@ -321,3 +327,117 @@ def test_mlflow_session_is_a_parent_run_with_a_child_run_per_experiment_and_resu
     assert sorted(children_of(client, experiment.experiment_id, parent)) == [1, 2, 3, 4, 5, 6, 7]
     assert [r.info.run_id for r in client.search_runs([experiment.experiment_id], "tags.mlflow.runName = 't1'")] \
         == [parent]
+
+
+def session(repo: Path, experiments: int, *trackers: str) -> list[str]:
+    """`run` in-process (any registered tracker name, or module:Class); the console's lines."""
+    lines: list[str] = []
+    run_loop(Settings(repo=repo, tag="t1", budget=1.0, timeout=20.0, proposer="fakes:Scripted", baseline_repeats=0,
+                      max_experiments=experiments, trackers=trackers), echo=lines.append)
+    return lines
+
+
+def events(logdir: Path):
+    """A TensorBoard run as TensorBoard reads it (every event file of the directory, restarts purged)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(logdir), size_guidance={"scalars": 0, "tensors": 0, "images": 0})
+    return accumulator.Reload()
+
+
+def scalars(run, tag: str) -> list[tuple[int, float]]:
+    return [(e.step, pytest.approx(e.value, rel=1e-6)) for e in run.Scalars(tag)]  # stored as float32
+
+
+def test_tensorboard_session_is_a_run_with_a_step_per_experiment_and_resumes(fake_repo, plan, monkeypatch, tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.plugins.hparams import api_pb2, metadata
+    from tensorboard.util import tensor_util
+    from torch.utils.tensorboard import SummaryWriter
+
+    repo = fake_repo(train(1.0))
+    plan(PLAN + [{"description": "six", "train": train(0.75, lr=0.12)}])
+    first = session(repo, 4, "tensorboard")
+    assert not [line for line in first if "warning" in line], first
+    logdir = repo / ".autoloop" / "tensorboard" / "t1"
+    run = events(logdir)
+    rows = read_rows(repo / "results.tsv")
+    assert [r.status for r in rows] == ["keep", "keep", "discard", "crash"]
+    assert scalars(run, "val_bpb") == [(n, r.val_bpb) for n, r in enumerate(rows, 1) if r.status != "crash"]
+    assert scalars(run, "best_val_bpb") == [(1, 1.0), (2, 0.8), (3, 0.8), (4, 0.8)]
+    assert scalars(run, "metrics/memory_gb")[1] == (2, 2.0) and scalars(run, "metrics/mfu_percent")[1] == (2, 1.5)
+    assert [step for step, _ in scalars(run, "metrics/wall_seconds")] == [1, 2, 3, 4]  # the crash's too
+    note = tensor_util.make_ndarray(run.Tensors("experiment/text_summary")[1].tensor_proto)[0].decode()
+    assert note.startswith("**2: LR up**") and "+BPB = 0.8" in note and "LR = 0.08" in note
+    assert [(i.step, i.width > 0) for i in run.Images("progress")] == [(4, True)]
+
+    # the HParams tab: the session's pinned settings and its metric, the final best (the last best_val_bpb)
+    hparams = run.PluginTagToContent(metadata.PLUGIN_NAME)
+    experiment = metadata.parse_experiment_plugin_data(hparams[metadata.EXPERIMENT_TAG])
+    assert [m.name.tag for m in experiment.metric_infos] == ["best_val_bpb"]
+    assert {h.name for h in experiment.hparam_infos} >= {"budget", "seed", "gate", "tag", "start_commit"}
+    started = metadata.parse_session_start_info_plugin_data(hparams[metadata.SESSION_START_INFO_TAG]).hparams
+    assert (started["budget"].number_value, started["seed"].number_value, started["tag"].string_value) == \
+        (1.0, 42.0, "t1")
+    ended = metadata.parse_session_end_info_plugin_data(hparams[metadata.SESSION_END_INFO_TAG])
+    assert ended.status == api_pb2.STATUS_SUCCESS
+    assert git.Repo(repo).git.status("--porcelain", "--ignored=no") == ""  # the repo's root stays clean
+
+    # the controller killed while logging experiment 5 (written, not yet in trackers.json): the resume hides it
+    with SummaryWriter(str(logdir)) as half:
+        half.add_scalar("val_bpb", 123.0, 5)
+    second = session(repo, 5, "tensorboard")
+    assert not [line for line in second if "warning" in line], second
+    run = events(logdir)
+    rows = read_rows(repo / "results.tsv")
+    assert scalars(run, "val_bpb") == [(1, 1.0), (2, 0.8), (3, 0.9), (5, rows[4].val_bpb)] and rows[4].val_bpb == 0.7
+    assert scalars(run, "best_val_bpb")[-2:] == [(4, 0.8), (5, 0.7)]
+    assert saved(repo, "tensorboard")["logged"] == [1, 2, 3, 4, 5]
+
+    # TENSORBOARD_LOGDIR: the session is a run named by its tag there, logged whole (once), and said so
+    monkeypatch.setenv("TENSORBOARD_LOGDIR", str(tmp_path / "tb"))
+    third = session(repo, 6, "tensorboard")
+    assert any("--tracker tensorboard now logs to" in line for line in third), third
+    assert [step for step, _ in scalars(events(tmp_path / "tb" / "t1"), "best_val_bpb")] == [1, 2, 3, 4, 5, 6]
+    assert [step for step, _ in scalars(events(logdir), "best_val_bpb")] == [1, 2, 3, 4, 5]
+    shutil.rmtree(tmp_path / "tb")  # a run directory deleted: the next resume logs the session there again
+    session(repo, 6, "tensorboard")
+    again = events(tmp_path / "tb" / "t1")
+    assert [step for step, _ in scalars(again, "best_val_bpb")] == [1, 2, 3, 4, 5, 6]
+    assert metadata.SESSION_START_INFO_TAG in again.PluginTagToContent(metadata.PLUGIN_NAME)
+
+
+class Recorder(Backend):
+    """A third-party tracker, named by module:Class: what it was given."""
+
+    calls: list = []
+
+    def open(self, state):
+        Recorder.calls.append(("open", self.name))
+
+    def log(self, experiment, state):
+        Recorder.calls.append(("log", experiment.n, state.best_bpb))
+
+    def close(self, state, stop, files):
+        Recorder.calls.append(("close", stop, sorted(p.name for p in files)))
+
+
+def test_trackers_are_plugins_and_a_missing_library_warns_with_the_pip_command(fake_repo, plan, monkeypatch):
+    with pytest.raises(LoopError, match=r"unknown tracker 'nope'; available: mlflow, tensorboard, wandb .*"
+                                        r"autoloop\.trackers"):
+        Trackers(("nope",), None, print)
+    with pytest.raises(LoopError, match="not a subclass of orchestrator.trackers.base.Backend"):
+        Trackers(("fakes:Scripted",), None, print)
+
+    monkeypatch.setattr(Recorder, "calls", [])
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as without the tensorboard package
+    repo = fake_repo(train(1.0))
+    plan(PLAN)
+    lines = session(repo, 2, f"{__name__}:Recorder", "tensorboard")
+    warnings = [line for line in lines if "warning" in line]
+    assert warnings == ["autoloop: warning: --tracker tensorboard is off for this run (starting: the tensorboard "
+                        'package is not installed (torch.utils.tensorboard needs it)); pip install '
+                        '"autoloop-ml[tensorboard]"'], lines
+    assert Recorder.calls == [("open", f"{__name__}:Recorder"), ("log", 1, 1.0), ("log", 2, 0.8),
+                              ("close", "reached --max-experiments 2", ["progress.png", "report.md"])]
+    assert len(read_rows(repo / "results.tsv")) == 2
