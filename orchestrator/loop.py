@@ -85,7 +85,7 @@ def _session(settings: Settings, echo: Callable[[str], None]) -> State:
         try:
             while not (stop := stop_reason(settings, state, started, ws.spend)):
                 remaining = None if settings.max_experiments is None else settings.max_experiments - state.done
-                planned = plan(ws, ideas, state, slots_for(ws, executor, state, remaining))
+                planned = plan(ws, ideas, state, start_generation(ws, executor, state, remaining))
                 if not planned:
                     stop = ws.spend.exceeded() or "the proposer has no more ideas"
                     break
@@ -124,8 +124,9 @@ def signals(signum: int, handler) -> Iterator[None]:
         signal.signal(signum, previous)
 
 
-def slots_for(ws: Workspace, executor: Executor, state: State, remaining: int | None) -> int:
-    """How many runs the next generation has (fewer near --max-experiments); notes it in status.json."""
+def start_generation(ws: Workspace, executor: Executor, state: State, remaining: int | None) -> int:
+    """Count the next generation and note its start in status.json; returns how many runs it has (fewer near
+    --max-experiments)."""
     slots = len(executor.slots) if remaining is None else min(len(executor.slots), remaining)
     previous = ws.generation
     ws.generation = previous + 1
@@ -141,7 +142,9 @@ def record_generation(ws: Workspace, state: State, runs: list[Run], ideas: Ideas
     proposer see them (after any idea it is making is done: its observe() never runs while its propose() does)."""
     progress.clear()
     t = time.monotonic()
-    decide(state, [finished(ws, state, run) for run in runs], ws.settings.gate)
+    judged = decide(state, [finished(ws, state, run) for run in runs], ws.settings.gate)
+    for run, judgement in zip(runs, judged):
+        run.record.status, run.record.gate = judgement.status, judgement.gate
     for run in runs:
         run.record.timings["record"] = time.monotonic() - t
         ws.record(run.record, state)

@@ -12,7 +12,7 @@ Comparisons are made only between runs on the same device type. See noise.py for
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..trust import redaction
 from ..store.ledger import Record, Row
@@ -66,8 +66,24 @@ def disturbance(state: State, run: Finished) -> str:
     return f"disturbed: {unit} per second {mine / statistics.median(speeds):.0%} of {whose} median"
 
 
-def decide(state: State, runs: list[Finished], gate: Gate) -> None:
-    """Fill each run's record.gate and record.status. A disturbed run is not judged: it is run again."""
+@dataclass(frozen=True)
+class Judgement:
+    """What the judge decided of one run: its status and the gate's evidence (record.json's "gate")."""
+
+    status: Status
+    gate: dict
+
+
+def decide(state: State, runs: list[Finished], gate: Gate) -> list[Judgement]:
+    """Each run's status and evidence, in the order of `runs`; the records themselves are left as they are
+    (the loop writes the judgements into them). A disturbed run is not judged: it is run again."""
+    work = [replace(r, record=replace(r.record, gate=dict(r.record.gate))) for r in runs]
+    _judge(state, work, gate)
+    return [Judgement(Status(r.record.status), r.record.gate) for r in work]
+
+
+def _judge(state: State, runs: list[Finished], gate: Gate) -> None:
+    """decide() on working copies: fills each copy's gate and status."""
     if state.best_group:
         for run in runs:
             if not run.crashed:
