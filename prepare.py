@@ -417,7 +417,7 @@ def download_file(url, dest, attempts=5, timeout=60, backoff=2.0, progress=None,
                     expected = have + int(length) if length is not None else None
                     etag.sha256 = etag.sha256 or _sha256_header(response.headers)
                     with open(part, "ab" if have else "wb") as f:
-                        for chunk in iter(lambda: response.read(1 << 20), b""):
+                        for chunk in iter(lambda: response.read(1 << 20), b""):  # noqa: B023 (used at once)
                             if STOP_DOWNLOADS.is_set():
                                 raise KeyboardInterrupt
                             f.write(chunk)

@@ -142,7 +142,8 @@ def fast_sdpa(device):
     """On CUDA, SDPA tries its fastest kernels first: cuDNN, flash, memory-efficient, then math. No-op elsewhere
     and on torch without sdpa_kernel(..., set_priority=) (< 2.6)."""
     try:
-        from torch.nn.attention import SDPBackend as B, sdpa_kernel
+        from torch.nn.attention import SDPBackend as B
+        from torch.nn.attention import sdpa_kernel
 
         if device.type == "cuda":
             return sdpa_kernel([B.CUDNN_ATTENTION, B.FLASH_ATTENTION, B.EFFICIENT_ATTENTION, B.MATH], set_priority=True)

@@ -116,7 +116,7 @@ def summary_of(log_text: str) -> dict[str, str]:
     starts = [i for i, line in enumerate(lines) if line.strip() == "---"]
     if not starts:
         return {}
-    return dict(m.groups() for line in lines[starts[-1] + 1:] if (m := re.match(r"^(\w+):\s+(\S+)\s*$", line)))
+    return dict(m.groups() for line in lines[starts[-1] + 1 :] if (m := re.match(r"^(\w+):\s+(\S+)\s*$", line)))
 
 
 def num(value) -> float | None:
@@ -128,20 +128,36 @@ def num(value) -> float | None:
 
 def source_revision(source: Path) -> str:
     proc = subprocess.run(["git", "-C", str(source), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    if proc.returncode != 0 or Path(subprocess.run(["git", "-C", str(source), "rev-parse", "--show-toplevel"],
-                                                   capture_output=True, text=True).stdout.strip() or "/") != source:
-        digests = ", ".join(f"{name} {hashlib.sha256((source / name).read_bytes()).hexdigest()[:8]}"
-                            for name in ("train.py", "prepare.py"))
+    if (
+        proc.returncode != 0
+        or Path(
+            subprocess.run(
+                ["git", "-C", str(source), "rev-parse", "--show-toplevel"], capture_output=True, text=True
+            ).stdout.strip()
+            or "/"
+        )
+        != source
+    ):
+        digests = ", ".join(
+            f"{name} {hashlib.sha256((source / name).read_bytes()).hexdigest()[:8]}"
+            for name in ("train.py", "prepare.py")
+        )
         return f"not a git checkout; sha256 {digests}"
-    dirty = subprocess.run(["git", "-C", str(source), "status", "--porcelain", "--", "train.py", "prepare.py",
-                            "orchestrator"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "-C", str(source), "status", "--porcelain", "--", "train.py", "prepare.py", "orchestrator"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     return f"HEAD {proc.stdout.strip()}" + (" + uncommitted changes" if dirty else "")
 
 
 def run_experiment(args, source: Path, cache: Path, workdir: Path) -> dict:
     """Prepare (untimed), run one experiment through the controller, and return the raw observations."""
-    files = {name: (source / name).read_text() for name in ("train.py", "prepare.py", ".gitignore")
-             if (source / name).exists()}
+    files = {
+        name: (source / name).read_text()
+        for name in ("train.py", "prepare.py", ".gitignore")
+        if (source / name).exists()
+    }
     repo = make_git_repo(workdir / "repo", files)
     base = {"AUTOLOOP_CACHE": str(cache), "AUTOLOOP_PROFILE": args.profile}
     if args.dataset:
@@ -150,22 +166,46 @@ def run_experiment(args, source: Path, cache: Path, workdir: Path) -> dict:
         base["AUTOLOOP_DTYPE"] = args.dtype
 
     t = time.monotonic()
-    prep = subprocess.run([sys.executable, "prepare.py"], cwd=repo, env=clean_env(**base), capture_output=True,
-                          text=True)
+    prep = subprocess.run(
+        [sys.executable, "prepare.py"], cwd=repo, env=clean_env(**base), capture_output=True, text=True
+    )
     prepare_s = time.monotonic() - t
     if prep.returncode != 0:
-        raise SystemExit(f"experiment_time: `python prepare.py` failed in {repo} (exit {prep.returncode}):\n"
-                         f"{(prep.stdout + prep.stderr)[-3000:]}")
+        raise SystemExit(
+            f"experiment_time: `python prepare.py` failed in {repo} (exit {prep.returncode}):\n"
+            f"{(prep.stdout + prep.stderr)[-3000:]}"
+        )
 
     controller_env = clean_env(**base, PYTHONPATH=str(source))
-    which = subprocess.run([sys.executable, "-c", "import orchestrator; print(orchestrator.__file__)"], cwd=repo,
-                           env=controller_env, capture_output=True, text=True)
+    which = subprocess.run(
+        [sys.executable, "-c", "import orchestrator; print(orchestrator.__file__)"],
+        cwd=repo,
+        env=controller_env,
+        capture_output=True,
+        text=True,
+    )
     if which.returncode != 0 or not Path(which.stdout.strip()).resolve().is_relative_to(source):
-        raise SystemExit(f"experiment_time: the controller would not come from {source}: "
-                         f"{(which.stdout + which.stderr).strip()[-500:]}")
+        raise SystemExit(
+            f"experiment_time: the controller would not come from {source}: "
+            f"{(which.stdout + which.stderr).strip()[-500:]}"
+        )
 
-    cmd = [sys.executable, "-c", "from orchestrator.cli import main; main()", "run", "--budget", f"{args.budget:g}",
-           "--max-experiments", "1", "--profile", args.profile, "--baseline-repeats", "0", "--tag", TAG]
+    cmd = [
+        sys.executable,
+        "-c",
+        "from orchestrator.cli import main; main()",
+        "run",
+        "--budget",
+        f"{args.budget:g}",
+        "--max-experiments",
+        "1",
+        "--profile",
+        args.profile,
+        "--baseline-repeats",
+        "0",
+        "--tag",
+        TAG,
+    ]
     run_dir = repo / ".autoloop" / TAG / "runs" / "1"
     train_clock = LineClock(run_dir / "run.log")
     train_clock.start()
@@ -178,16 +218,23 @@ def run_experiment(args, source: Path, cache: Path, workdir: Path) -> dict:
     others = (busy_cpu_seconds() - busy_before) - (children_cpu_seconds() - ours_before)
     train_clock.stop()
     if proc.returncode != 0 or not (run_dir / "record.json").exists():
-        raise SystemExit(f"experiment_time: the controller failed (exit {proc.returncode}); its output:\n"
-                         f"{controller_log.read_text()[-3000:]}\n(run directory: {run_dir})")
+        raise SystemExit(
+            f"experiment_time: the controller failed (exit {proc.returncode}); its output:\n"
+            f"{controller_log.read_text()[-3000:]}\n(run directory: {run_dir})"
+        )
 
     # Reference: what one cold `import prepare` (python + torch + pyarrow) costs here, paid by each process.
     t = time.monotonic()
     subprocess.run([sys.executable, "-c", "import prepare"], cwd=repo, env=clean_env(**base), check=True)
     import_s = time.monotonic() - t
     return {
-        "repo": repo, "run_dir": run_dir, "prepare_s": prepare_s, "import_s": import_s,
-        "session": (t0, t1), "controller_log": controller_log.read_text(), "others_cpu_s": others,
+        "repo": repo,
+        "run_dir": run_dir,
+        "prepare_s": prepare_s,
+        "import_s": import_s,
+        "session": (t0, t1),
+        "controller_log": controller_log.read_text(),
+        "others_cpu_s": others,
         "record": json.loads((run_dir / "record.json").read_text()),
         "run_log": (run_dir / "run.log").read_text(errors="replace") if (run_dir / "run.log").exists() else "",
         "eval_result": json.loads((run_dir / "eval.json").read_text()) if (run_dir / "eval.json").exists() else {},
@@ -201,8 +248,10 @@ def analyse(obs: dict, budget: float) -> dict:
     timings = rec.get("timings", {})
     summary = summary_of(log)
     if rec.get("status") == "crash" or "training_seconds" not in summary:
-        raise SystemExit(f"experiment_time: the experiment crashed or printed no summary "
-                         f"(status {rec.get('status')}, reason {rec.get('reason')!r}); run.log tail:\n{log[-3000:]}")
+        raise SystemExit(
+            f"experiment_time: the experiment crashed or printed no summary "
+            f"(status {rec.get('status')}, reason {rec.get('reason')!r}); run.log tail:\n{log[-3000:]}"
+        )
     wall = rec["ended"] - rec["started"]
     train_wall = float(timings.get("train", 0.0))
     eval_wall = float(timings.get("eval", 0.0))
@@ -218,8 +267,9 @@ def analyse(obs: dict, budget: float) -> dict:
     startup_line = clock.first(r"startup [\d.]+s")
     first_step, last_step = clock.first(r"^step \d+"), clock.last(r"^step \d+")
     summary_line = clock.last(r"^---$")
-    exact = bool(clock.created and startup_line and first_step and last_step and summary_line
-                 and startup_printed is not None)
+    exact = bool(
+        clock.created and startup_line and first_step and last_step and summary_line and startup_printed is not None
+    )
     parts: dict[str, float] = {}
     if exact:
         proc_start = clock.created  # run.log is opened just before the process starts
@@ -246,22 +296,37 @@ def analyse(obs: dict, budget: float) -> dict:
     session_wall = obs["session"][1] - obs["session"][0]
     eval_result = obs["eval_result"]  # what the harness evaluation wrote for the controller
     return {
-        "budget": budget, "status": rec.get("status"), "val_bpb": rec.get("val_bpb"),
-        "printed_val_bpb": summary.get("val_bpb"), "num_steps": num(summary.get("num_steps")),
-        "device": rec.get("device") or summary.get("device"), "dtype": summary.get("dtype"),
+        "budget": budget,
+        "status": rec.get("status"),
+        "val_bpb": rec.get("val_bpb"),
+        "printed_val_bpb": summary.get("val_bpb"),
+        "num_steps": num(summary.get("num_steps")),
+        "device": rec.get("device") or summary.get("device"),
+        "dtype": summary.get("dtype"),
         "timed_from_log_lines": exact,
-        "experiment_wall_s": wall, "training_seconds": training, "train_py_wall_s": train_wall,
-        "train_py_total_seconds": total, "train_py_startup_printed_s": startup_printed,
-        "harness_eval_wall_s": eval_wall, "harness_eval_tokens": eval_result.get("eval_tokens"),
-        "startup_s": startup, "evaluation_s": evaluation, "controller_s": controller,
-        "parts_s": parts, "controller_recorded_s": recorded,
+        "experiment_wall_s": wall,
+        "training_seconds": training,
+        "train_py_wall_s": train_wall,
+        "train_py_total_seconds": total,
+        "train_py_startup_printed_s": startup_printed,
+        "harness_eval_wall_s": eval_wall,
+        "harness_eval_tokens": eval_result.get("eval_tokens"),
+        "startup_s": startup,
+        "evaluation_s": evaluation,
+        "controller_s": controller,
+        "parts_s": parts,
+        "controller_recorded_s": recorded,
         "controller_other_s": controller - sum(recorded.values()),
-        "fixed_cost_s": fixed, "fixed_cost_percent_of_budget": 100 * fixed / budget,
+        "fixed_cost_s": fixed,
+        "fixed_cost_percent_of_budget": 100 * fixed / budget,
         "target_percent": TARGET_PERCENT,
-        "session_wall_s": session_wall, "session_outside_experiment_s": session_wall - wall,
-        "prepare_untimed_s": obs["prepare_s"], "import_prepare_reference_s": obs["import_s"],
+        "session_wall_s": session_wall,
+        "session_outside_experiment_s": session_wall - wall,
+        "prepare_untimed_s": obs["prepare_s"],
+        "import_prepare_reference_s": obs["import_s"],
         "tokens_per_s_median": rates[len(rates) // 2] if rates else None,
-        "others_cpus_average": obs["others_cpu_s"] / session_wall, "cpus": os.cpu_count(),
+        "others_cpus_average": obs["others_cpu_s"] / session_wall,
+        "cpus": os.cpu_count(),
     }
 
 
@@ -274,15 +339,25 @@ def print_table(r: dict, args, source: Path, revision: str) -> None:
 
     print(f"one experiment: profile {args.profile}, budget {args.budget:g}s, source {source} ({revision})")
     rate = f"{r['tokens_per_s_median']:,.0f}" if r["tokens_per_s_median"] else "-"
-    print(f"  status {r['status']}, val_bpb {r['val_bpb']} (train.py printed {r['printed_val_bpb']}), "
-          f"{r['num_steps'] or 0:.0f} steps, median {rate} tok/s, device {r['device']}, dtype {r['dtype']}")
+    print(
+        f"  status {r['status']}, val_bpb {r['val_bpb']} (train.py printed {r['printed_val_bpb']}), "
+        f"{r['num_steps'] or 0:.0f} steps, median {rate} tok/s, device {r['device']}, dtype {r['dtype']}"
+    )
     others = r["others_cpus_average"]
-    print(f"  other processes used {others:.2f} of the {r['cpus']} CPUs on average during the session"
-          + ("  [BUSY: every phase slows down, training steps most (OpenMP threads wait on each other); "
-             "compare runs made on a quiet machine]" if others > 0.25 else ""))
+    print(
+        f"  other processes used {others:.2f} of the {r['cpus']} CPUs on average during the session"
+        + (
+            "  [BUSY: every phase slows down, training steps most (OpenMP threads wait on each other); "
+            "compare runs made on a quiet machine]"
+            if others > 0.25
+            else ""
+        )
+    )
     if not r["timed_from_log_lines"]:
-        print("  (run.log lines were not seen arriving: the split inside train.py is estimated from its summary; "
-              "train.py's own evaluation then includes the time between steps)")
+        print(
+            "  (run.log lines were not seen arriving: the split inside train.py is estimated from its summary; "
+            "train.py's own evaluation then includes the time between steps)"
+        )
     print(f"{'phase':<58}{'seconds':>9}{'of wall':>8}")
     row("start-up", r["startup_s"])
     row("python start, imports, re-exec (before train.py's main)", p["before_main"], 2)
@@ -300,15 +375,23 @@ def print_table(r: dict, args, source: Path, revision: str) -> None:
     row("other (job set-up, hashing, process hand-offs)", r["controller_other_s"], 2)
     row("experiment wall (record.json ended - started)", wall)
     print("  recorded controller phases: " + ", ".join(f"{k} {v:.2f}s" for k, v in rec.items()))
-    print(f"  train.py process {r['train_py_wall_s']:.2f}s (its own total_seconds {r['train_py_total_seconds']}), "
-          f"harness eval process {r['harness_eval_wall_s']:.2f}s ({r['harness_eval_tokens']} tokens)")
-    print(f"  for reference: a cold `python -c 'import prepare'` (python + torch + pyarrow) takes "
-          f"{r['import_prepare_reference_s']:.2f}s here; each of the two processes pays about that")
-    print(f"  session: controller process {r['session_wall_s']:.2f}s, of which {r['session_outside_experiment_s']:.2f}s "
-          f"outside the experiment (session start-up, worktree, harness query, exit; once per session); "
-          f"data preparation beforehand {r['prepare_untimed_s']:.2f}s (not counted)")
-    print(f"fixed cost = experiment wall - training_seconds = {r['fixed_cost_s']:.1f}s = "
-          f"{r['fixed_cost_percent_of_budget']:.1f}% of the {args.budget:g}s budget (target <= {TARGET_PERCENT:g}%)")
+    print(
+        f"  train.py process {r['train_py_wall_s']:.2f}s (its own total_seconds {r['train_py_total_seconds']}), "
+        f"harness eval process {r['harness_eval_wall_s']:.2f}s ({r['harness_eval_tokens']} tokens)"
+    )
+    print(
+        f"  for reference: a cold `python -c 'import prepare'` (python + torch + pyarrow) takes "
+        f"{r['import_prepare_reference_s']:.2f}s here; each of the two processes pays about that"
+    )
+    print(
+        f"  session: controller process {r['session_wall_s']:.2f}s, of which {r['session_outside_experiment_s']:.2f}s "
+        f"outside the experiment (session start-up, worktree, harness query, exit; once per session); "
+        f"data preparation beforehand {r['prepare_untimed_s']:.2f}s (not counted)"
+    )
+    print(
+        f"fixed cost = experiment wall - training_seconds = {r['fixed_cost_s']:.1f}s = "
+        f"{r['fixed_cost_percent_of_budget']:.1f}% of the {args.budget:g}s budget (target <= {TARGET_PERCENT:g}%)"
+    )
 
 
 def main() -> None:
@@ -316,13 +399,25 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=60.0, help="training seconds (AUTOLOOP_TIME_BUDGET)")
     ap.add_argument("--profile", default="cpu", choices=["gpu", "cpu", "tiny"])
     ap.add_argument("--dataset", default=None, help="passed as AUTOLOOP_DATASET (default: the harness's)")
-    ap.add_argument("--dtype", default=None, choices=["bf16", "fp32"],
-                    help="AUTOLOOP_DTYPE for train.py (default: its own choice, which on a CPU with bf16 units is "
-                         "a quick timing probe that can flip between runs on a busy machine)")
-    ap.add_argument("--source", type=Path, default=ROOT,
-                    help="directory whose train.py, prepare.py and orchestrator package are measured")
-    ap.add_argument("--cache", type=Path, default=None,
-                    help="AUTOLOOP_CACHE (default: /tmp/autoloop-bench-cache/<hash of prepare.py>, kept)")
+    ap.add_argument(
+        "--dtype",
+        default=None,
+        choices=["bf16", "fp32"],
+        help="AUTOLOOP_DTYPE for train.py (default: its own choice, which on a CPU with bf16 units is "
+        "a quick timing probe that can flip between runs on a busy machine)",
+    )
+    ap.add_argument(
+        "--source",
+        type=Path,
+        default=ROOT,
+        help="directory whose train.py, prepare.py and orchestrator package are measured",
+    )
+    ap.add_argument(
+        "--cache",
+        type=Path,
+        default=None,
+        help="AUTOLOOP_CACHE (default: /tmp/autoloop-bench-cache/<hash of prepare.py>, kept)",
+    )
     ap.add_argument("--keep", action="store_true", help="keep the temporary repo (its path is printed)")
     ap.add_argument("--json", action="store_true", help="print the numbers as JSON instead of the table")
     args = ap.parse_args()
@@ -346,8 +441,12 @@ def main() -> None:
         else:
             shutil.rmtree(workdir, ignore_errors=True)
     if args.json:
-        print(json.dumps({"source": str(source), "revision": revision, "profile": args.profile,
-                          "cache": str(cache), **result}, indent=1))
+        print(
+            json.dumps(
+                {"source": str(source), "revision": revision, "profile": args.profile, "cache": str(cache), **result},
+                indent=1,
+            )
+        )
     else:
         print_table(result, args, source, revision)
 

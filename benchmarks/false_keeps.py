@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 
 from orchestrator.contract import make_git_repo
-from orchestrator.store.ledger import read_record, read_rows
 from orchestrator.loop import Settings, run_loop
 from orchestrator.proposers import Proposal, Proposer
+from orchestrator.store.ledger import read_record, read_rows
 from orchestrator.store.session import Paths
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,8 +73,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         repo = fresh_repo(Path(tmp) / "noop")
         total = 3 + args.experiments
-        settings = Settings(repo=repo, tag="noop", budget=args.budget, profile=args.profile,
-                            proposer="__main__:NoOpProposer", max_experiments=None)
+        settings = Settings(
+            repo=repo,
+            tag="noop",
+            budget=args.budget,
+            profile=args.profile,
+            proposer="__main__:NoOpProposer",
+            max_experiments=None,
+        )
 
         def enough(line: str) -> None:
             print(line, flush=True)
@@ -84,14 +90,19 @@ def main() -> None:
             state = run_loop(Settings(**{**settings.__dict__, "max_experiments": total}), echo=enough)
             records = [read_record(Paths(repo, "noop").run_dir(n)) for n in range(1, state.done + 1)]
             candidates = {r.group for r in records if r.description.startswith("no-op")}
-            finished = {r.group for r in records if r.description.startswith("no-op")
-                        and (r.status == "crash" or r.gate.get("decision") in ("keep", "discard"))}
+            finished = {
+                r.group
+                for r in records
+                if r.description.startswith("no-op")
+                and (r.status == "crash" or r.gate.get("decision") in ("keep", "discard"))
+            }
             if len(finished) >= args.experiments or state.done >= 4 * total:
                 break
             total = state.done + (args.experiments - len(finished))
         rows = read_rows(repo / "results.tsv")
         noise_keeps = sum(r.status == "keep" and r.description.startswith("no-op") for r in rows)
         firsts = [r for r in records if r.description.startswith("no-op") and r.n == r.group and r.val_bpb]
+
         def replay_strict(start: float) -> int:
             best, keeps = start, 0
             for r in firsts:
@@ -104,21 +115,33 @@ def main() -> None:
         spread = state.spread()
 
         fix_repo = fresh_repo(Path(tmp) / "fix", hobble=True)
-        run_loop(Settings(repo=fix_repo, tag="fix", budget=args.budget, profile=args.profile,
-                                proposer="__main__:FixProposer"), echo=enough)
+        run_loop(
+            Settings(
+                repo=fix_repo, tag="fix", budget=args.budget, profile=args.profile, proposer="__main__:FixProposer"
+            ),
+            echo=enough,
+        )
         fix_rows = read_rows(fix_repo / "results.tsv")
     print()
-    print(f"no-op candidates decided: {len(finished)} ({len(candidates)} proposed, {state.done} runs incl. "
-          f"baseline repeats and re-runs), budget {args.budget:g}s, profile {args.profile}")
+    print(
+        f"no-op candidates decided: {len(finished)} ({len(candidates)} proposed, {state.done} runs incl. "
+        f"baseline repeats and re-runs), budget {args.budget:g}s, profile {args.profile}"
+    )
     print(f"typical sigma of val_bpb: {spread.sd or 0:.5f} (worth {spread.dof} runs)")
-    print(f"kept, noise gate:         {noise_keeps} of {len(finished)} ({100 * noise_keeps / max(1, len(finished)):.1f}%)")
-    print(f"kept, strict (replayed):  {strict_keeps} of {len(firsts)} first runs "
-          f"({100 * strict_keeps / max(1, len(firsts)):.1f}%) against the first baseline run "
-          f"{records[0].val_bpb:.6f}; {strict_mean_keeps} against the baseline mean {state.baseline_bpb:.6f}")
+    print(
+        f"kept, noise gate:         {noise_keeps} of {len(finished)} ({100 * noise_keeps / max(1, len(finished)):.1f}%)"
+    )
+    print(
+        f"kept, strict (replayed):  {strict_keeps} of {len(firsts)} first runs "
+        f"({100 * strict_keeps / max(1, len(firsts)):.1f}%) against the first baseline run "
+        f"{records[0].val_bpb:.6f}; {strict_mean_keeps} against the baseline mean {state.baseline_bpb:.6f}"
+    )
     restore = [r for r in fix_rows if r.description.startswith("restore")]
-    print(f"real improvement:         {'KEPT' if any(r.status == 'keep' for r in restore) else 'NOT kept'}: "
-          + "; ".join(f"{r.status} {r.val_bpb:.4f} {r.description}" for r in restore)
-          + f" (baseline {fix_rows[0].val_bpb:.4f})")
+    print(
+        f"real improvement:         {'KEPT' if any(r.status == 'keep' for r in restore) else 'NOT kept'}: "
+        + "; ".join(f"{r.status} {r.val_bpb:.4f} {r.description}" for r in restore)
+        + f" (baseline {fix_rows[0].val_bpb:.4f})"
+    )
     print(f"wall time:                {time.monotonic() - t0:.0f}s")
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from orchestrator.core import noise# noqa: E402
+from orchestrator.core import noise  # noqa: E402
 from orchestrator.core.noise import Gate, judge, parent_first  # noqa: E402
 
 
@@ -67,8 +67,11 @@ def main() -> int:
                 null, null_runs = rate(0.0, gate, args.null, others, args.best_runs, args.seed)
                 power, power_runs = rate(2.0, gate, args.gains, others, args.best_runs, args.seed)
                 _, worse_runs = rate(-1.0, gate, 300, others, args.best_runs, args.seed)
-                print(f"{looks:5d} {spend:5g} {others:6d} {100 * null:8.1f}% ({null_runs:.1f} runs) "
-                      f"{100 * power:8.1f}% ({power_runs:.1f} runs) {worse_runs:7.1f} runs", flush=True)
+                print(
+                    f"{looks:5d} {spend:5g} {others:6d} {100 * null:8.1f}% ({null_runs:.1f} runs) "
+                    f"{100 * power:8.1f}% ({power_runs:.1f} runs) {worse_runs:7.1f} runs",
+                    flush=True,
+                )
     return 0
 
 

@@ -15,17 +15,16 @@ per hour with N times the single slot's.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
-import os
-
-from orchestrator.store.ledger import read_record
 from orchestrator.loop import Settings, run_loop
 from orchestrator.proposers.perturb import PerturbProposer
+from orchestrator.store.ledger import read_record
 from orchestrator.store.session import Paths
 
 
@@ -38,6 +37,7 @@ class SlowProposer(PerturbProposer):
     def propose(self, workdir, history):
         time.sleep(float(os.environ.get("AUTOLOOP_BENCH_PROPOSE_S", "0")))
         return super().propose(workdir, history)
+
 
 FAKE_TRAIN = '''"""fake train.py: sleeps for the budget, prints the summary"""
 import os, time
@@ -62,25 +62,39 @@ print("mfu_percent:      0.00")
 '''
 
 
-def session(args, workers: int, experiments: int, sandbox: str = "off", fingerprint: list | None = None
-            ) -> tuple[float, list]:
+def session(
+    args, workers: int, experiments: int, sandbox: str = "off", fingerprint: list | None = None
+) -> tuple[float, list]:
     """One session on a fresh repo holding the fake train.py; (wall seconds, run records). `fingerprint`, if
     given, gets the seconds one protected-state snapshot and check take on the finished session."""
     with tempfile.TemporaryDirectory() as tmp:
         repo = Path(tmp) / "repo"
         repo.mkdir()
         (repo / "train.py").write_text(FAKE_TRAIN)
-        for cmd in (["git", "init", "-q"], ["git", "add", "-A"],
-                    ["git", "-c", "user.name=b", "-c", "user.email=b@b", "commit", "-qm", "init"]):
+        for cmd in (
+            ["git", "init", "-q"],
+            ["git", "add", "-A"],
+            ["git", "-c", "user.name=b", "-c", "user.email=b@b", "commit", "-qm", "init"],
+        ):
             subprocess.run(cmd, cwd=repo, check=True)
-        settings = Settings(repo=repo, tag="bench", budget=args.budget, max_experiments=experiments,
-                            proposer="__main__:SlowProposer", pipeline=args.pipeline, baseline_repeats=0,
-                            workers=workers, executor_options={"gpus": []}, sandbox=sandbox)
+        settings = Settings(
+            repo=repo,
+            tag="bench",
+            budget=args.budget,
+            max_experiments=experiments,
+            proposer="__main__:SlowProposer",
+            pipeline=args.pipeline,
+            baseline_repeats=0,
+            workers=workers,
+            executor_options={"gpus": []},
+            sandbox=sandbox,
+        )
         t0 = time.monotonic()
         state = run_loop(settings, echo=lambda line: None)
         wall = time.monotonic() - t0
         if fingerprint is not None:
             from orchestrator.core.workspace import Workspace
+
             ws = Workspace(settings, lambda line: None)
             t = time.perf_counter()
             for _ in range(20):
@@ -94,23 +108,37 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=30.0, help="training seconds per experiment")
     ap.add_argument("--experiments", type=int, default=6)
     ap.add_argument("--propose-seconds", type=float, default=0.0, help="seconds the proposer takes per idea")
-    ap.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=True,
-                    help="prepare the next idea while one trains (matters with --propose-seconds)")
-    ap.add_argument("--confinement", action="store_true",
-                    help="also measure the cost of the sandbox (a session with --sandbox on against off) and of "
-                         "the protected-state check, per experiment")
-    ap.add_argument("--workers", type=int, default=1,
-                    help="also run this many slots at once (workers x experiments) and compare throughput")
+    ap.add_argument(
+        "--pipeline",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="prepare the next idea while one trains (matters with --propose-seconds)",
+    )
+    ap.add_argument(
+        "--confinement",
+        action="store_true",
+        help="also measure the cost of the sandbox (a session with --sandbox on against off) and of "
+        "the protected-state check, per experiment",
+    )
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="also run this many slots at once (workers x experiments) and compare throughput",
+    )
     args = ap.parse_args()
     os.environ["AUTOLOOP_BENCH_PROPOSE_S"] = str(args.propose_seconds)
     wall, records = session(args, 1, args.experiments)
     train = [r.timings.get("train", 0.0) for r in records]
     waited = [r.timings.get("propose_wait", 0.0) for r in records]
-    per_exp = [(r.ended - r.started) - r.timings.get("train", 0.0) - r.timings.get("propose_wait", 0.0)
-               for r in records]
+    per_exp = [
+        (r.ended - r.started) - r.timings.get("train", 0.0) - r.timings.get("propose_wait", 0.0) for r in records
+    ]
     overhead = (wall - sum(train) - sum(waited)) / len(records)
-    print(f"experiments:                  {len(records)} at a {args.budget:g}s budget, proposer "
-          f"{args.propose_seconds:g}s per idea, pipeline {'on' if args.pipeline else 'off'}")
+    print(
+        f"experiments:                  {len(records)} at a {args.budget:g}s budget, proposer "
+        f"{args.propose_seconds:g}s per idea, pipeline {'on' if args.pipeline else 'off'}"
+    )
     print(f"session wall time:            {wall:.2f}s (includes session start-up)")
     print(f"waiting for ideas:            {sum(waited):.2f}s in all")
     print(f"controller overhead / exp:    {overhead:.3f}s (session wall - training - waiting for ideas) / experiments")
@@ -129,20 +157,28 @@ def main() -> None:
                 wall_s, recs = session(args, 1, args.experiments, sandbox, cost)
                 cost.append(statistics.median(r.timings.get("train", 0.0) for r in recs))
                 cost.append(wall_s / len(recs))
-            print(f"sandbox:                      +{cost[4] - cost[1]:.3f}s per train step (median "
-                  f"{cost[4]:.3f}s on, {cost[1]:.3f}s off); +{cost[5] - cost[2]:.3f}s per experiment of wall time")
-            print(f"protected-state check:        {cost[3]:.4f}s per run ({args.experiments} records; snapshot "
-                  "before the generation and check after each run)")
+            print(
+                f"sandbox:                      +{cost[4] - cost[1]:.3f}s per train step (median "
+                f"{cost[4]:.3f}s on, {cost[1]:.3f}s off); +{cost[5] - cost[2]:.3f}s per experiment of wall time"
+            )
+            print(
+                f"protected-state check:        {cost[3]:.4f}s per run ({args.experiments} records; snapshot "
+                "before the generation and check after each run)"
+            )
     if args.workers > 1:
         n = args.workers * args.experiments
         wall_n, records_n = session(args, args.workers, n)
         busy = sum(r.timings.get("train", 0.0) for r in records_n)
         parallel = 3600 * n / wall_n
-        print(f"{args.workers} slots:                      {n} experiments in {wall_n:.2f}s, "
-              f"slot duty cycle {100 * busy / (args.workers * wall_n):.2f}%")
-        print(f"experiments per hour:         {parallel:.1f} ({args.workers} slots) = "
-              f"{parallel / single:.2f}x the single slot ({100 * parallel / (args.workers * single):.1f}% of "
-              f"{args.workers}x; target >= 90%)")
+        print(
+            f"{args.workers} slots:                      {n} experiments in {wall_n:.2f}s, "
+            f"slot duty cycle {100 * busy / (args.workers * wall_n):.2f}%"
+        )
+        print(
+            f"experiments per hour:         {parallel:.1f} ({args.workers} slots) = "
+            f"{parallel / single:.2f}x the single slot ({100 * parallel / (args.workers * single):.1f}% of "
+            f"{args.workers}x; target >= 90%)"
+        )
 
 
 if __name__ == "__main__":

@@ -38,14 +38,19 @@ def variant(source: str, factor: float) -> str:
 def run_once(workdir: Path, budget: float, profile: str, timeout: float) -> dict:
     env = {**os.environ, "AUTOLOOP_TIME_BUDGET": str(budget), "AUTOLOOP_PROFILE": profile}
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "train.py"], cwd=workdir, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "train.py"], cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout
+    )
     found = dict(re.findall(r"^(\w+):\s+(\S+)$", proc.stdout, re.M))
     if proc.returncode or "val_bpb" not in found:
         tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
         return {"crash": " | ".join(tail), "wall": time.monotonic() - t0}
-    return {"val_bpb": float(found["val_bpb"]), "steps": int(found["num_steps"]),
-            "training_seconds": float(found["training_seconds"]), "wall": time.monotonic() - t0}
+    return {
+        "val_bpb": float(found["val_bpb"]),
+        "steps": int(found["num_steps"]),
+        "training_seconds": float(found["training_seconds"]),
+        "wall": time.monotonic() - t0,
+    }
 
 
 def main() -> int:
@@ -83,8 +88,10 @@ def main() -> int:
         if len(v) < 2:
             print(f"{name:10s} fewer than 2 runs finished")
             continue
-        print(f"{name:10s} {statistics.fmean(v):7.4f} {statistics.stdev(v):7.4f} {max(v) - min(v):7.4f} "
-              f"{min(steps):5d}-{max(steps):<5d}  " + " ".join(f"{x:.4f}" for x in v))
+        print(
+            f"{name:10s} {statistics.fmean(v):7.4f} {statistics.stdev(v):7.4f} {max(v) - min(v):7.4f} "
+            f"{min(steps):5d}-{max(steps):<5d}  " + " ".join(f"{x:.4f}" for x in v)
+        )
     if args.out:
         args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs}, indent=1))
     return 0

@@ -122,8 +122,12 @@ summary(float("nan") if MODE == "nan" else BPB)
 
 
 def fake_train(idea: int, mode: str, bpb: float, flood_mb: int) -> str:
-    return (FAKE_TRAIN.replace("@IDEA@", str(idea)).replace("@MODE@", mode).replace("@BPB@", repr(bpb))
-            .replace("@FLOOD_MB@", str(flood_mb)))
+    return (
+        FAKE_TRAIN.replace("@IDEA@", str(idea))
+        .replace("@MODE@", mode)
+        .replace("@BPB@", repr(bpb))
+        .replace("@FLOOD_MB@", str(flood_mb))
+    )
 
 
 def idea_for(seed: int, k: int) -> tuple[str, float]:
@@ -141,8 +145,9 @@ class SoakProposer(Proposer):
     def propose(self, workdir: Path, history: list) -> Proposal:
         k = len(history)
         mode, bpb = idea_for(int(os.environ.get("AUTOLOOP_SOAK_SEED", "0")), k)
-        (workdir / "train.py").write_text(fake_train(k, mode, bpb, int(os.environ.get("AUTOLOOP_SOAK_FLOOD_MB",
-                                                                                       "1024"))))
+        (workdir / "train.py").write_text(
+            fake_train(k, mode, bpb, int(os.environ.get("AUTOLOOP_SOAK_FLOOD_MB", "1024")))
+        )
         return Proposal(f"idea {k}: {mode}", info={"soak_idea": k, "soak_mode": mode})
 
 
@@ -153,9 +158,13 @@ def make_repo(path: Path) -> Path:
     path.mkdir(parents=True)
     (path / "train.py").write_text(fake_train(0, "ok", 1.0, 0))
     (path / "prepare.py").write_text(PREPARE)
-    for cmd in (["git", "init", "-q", "-b", "main"], ["git", "config", "user.name", "soak"],
-                ["git", "config", "user.email", "soak@example.com"], ["git", "add", "-A"],
-                ["git", "commit", "-qm", "init"]):
+    for cmd in (
+        ["git", "init", "-q", "-b", "main"],
+        ["git", "config", "user.name", "soak"],
+        ["git", "config", "user.email", "soak@example.com"],
+        ["git", "add", "-A"],
+        ["git", "commit", "-qm", "init"],
+    ):
         subprocess.run(cmd, cwd=path, check=True)
     return path
 
@@ -227,17 +236,44 @@ class Soak:
 
     def command(self) -> list[str]:
         a = self.args
-        return [sys.executable, "-m", "orchestrator.cli", "run", "--repo", str(self.repo), "--tag", TAG,
-                "--budget", "1", "--timeout", f"{a.timeout:g}", "--baseline-repeats", "0",
-                "--max-experiments", str(a.experiments), "--max-crashes", "1000", "--max-log-mb", f"{a.max_log_mb:g}",
-                "--proposer", "soak:SoakProposer", "--workers", str(a.workers), "--gpus", ""]
+        return [
+            sys.executable,
+            "-m",
+            "orchestrator.cli",
+            "run",
+            "--repo",
+            str(self.repo),
+            "--tag",
+            TAG,
+            "--budget",
+            "1",
+            "--timeout",
+            f"{a.timeout:g}",
+            "--baseline-repeats",
+            "0",
+            "--max-experiments",
+            str(a.experiments),
+            "--max-crashes",
+            "1000",
+            "--max-log-mb",
+            f"{a.max_log_mb:g}",
+            "--proposer",
+            "soak:SoakProposer",
+            "--workers",
+            str(a.workers),
+            "--gpus",
+            "",
+        ]
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ, AUTOLOOP_SOAK_SEED=str(self.args.seed), AUTOLOOP_SOAK_FLOOD_MB=str(self.args.flood_mb))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), str(ROOT), os.environ.get("PYTHONPATH")) if p)
         env[MARKER] = self.marker
-        for key in [k for k in env if k.startswith("AUTOLOOP_") and k not in (MARKER, "AUTOLOOP_SOAK_SEED",
-                                                                              "AUTOLOOP_SOAK_FLOOD_MB")]:
+        for key in [
+            k
+            for k in env
+            if k.startswith("AUTOLOOP_") and k not in (MARKER, "AUTOLOOP_SOAK_SEED", "AUTOLOOP_SOAK_FLOOD_MB")
+        ]:
             del env[key]  # the command line alone says how the loop runs
         return env
 
@@ -283,8 +319,9 @@ class Soak:
             if p.pid == self.ours.pid:
                 continue
             try:
-                if (p.environ().get(MARKER) == self.marker or str(self.repo) in (p.cwd() or "")) \
-                        and p.status() != psutil.STATUS_ZOMBIE:
+                if (
+                    p.environ().get(MARKER) == self.marker or str(self.repo) in (p.cwd() or "")
+                ) and p.status() != psutil.STATUS_ZOMBIE:
                     self.note(p)
                     found[p.pid] = " ".join(p.info["cmdline"] or [])[:100]
             except psutil.Error:
@@ -297,8 +334,15 @@ class Soak:
         log = self.work / f"controller-{index}.log"
         t0 = time.monotonic()
         with open(log, "wb") as out:
-            proc = subprocess.Popen(self.command(), cwd=ROOT, env=self.env(), stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            proc = subprocess.Popen(
+                self.command(),
+                cwd=ROOT,
+                env=self.env(),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         ctl = Controller(index, proc.pid, count_rows(self.ledger), log=log)
         self.controllers.append(ctl)
         try:
@@ -336,8 +380,16 @@ class Soak:
 
     def run(self) -> None:
         n, kills = self.args.experiments, self.args.kills
-        points = sorted({min(n - 1, max(1, round(n * f) + self.rng.randint(-2, 2)))
-                         for f in [0.2 + 0.5 * i / max(1, kills - 1) for i in range(kills)]}) if n > 1 else []
+        points = (
+            sorted(
+                {
+                    min(n - 1, max(1, round(n * f) + self.rng.randint(-2, 2)))
+                    for f in [0.2 + 0.5 * i / max(1, kills - 1) for i in range(kills)]
+                }
+            )
+            if n > 1
+            else []
+        )
         for point in points[:kills]:
             ctl = self.run_controller(point)
             if not ctl.ended.startswith("SIGKILL"):
@@ -384,9 +436,9 @@ class Soak:
             time.sleep(0.2)
 
     def verdict(self) -> dict:
+        from orchestrator.core.state import load_state
         from orchestrator.store.ledger import read_record
         from orchestrator.store.session import Paths
-        from orchestrator.core.state import load_state
 
         n = self.args.experiments
         paths = Paths(self.repo, TAG)
@@ -397,18 +449,27 @@ class Soak:
         for i in range(1, n + 1):
             record = read_record(paths.run_dir(i))
             row = rows[i - 1] if i <= len(rows) else None
-            if row is None or record is None or record.n != i or not record.commit.startswith(row[0]) \
-                    or record.status != row[4]:
+            if (
+                row is None
+                or record is None
+                or record.n != i
+                or not record.commit.startswith(row[0])
+                or record.status != row[4]
+            ):
                 lost += 1
-                problems.append(f"experiment {i}: row {row[:1] + row[4:5] if row else None}, record "
-                                f"{(record.n, record.commit[:7], record.status) if record else None}")
+                problems.append(
+                    f"experiment {i}: row {row[:1] + row[4:5] if row else None}, record "
+                    f"{(record.n, record.commit[:7], record.status) if record else None}"
+                )
         records = [r for r in (read_record(paths.run_dir(i)) for i in range(1, len(rows) + 1)) if r]
         commits = [row[0] for row in rows]
         ideas = [r.info.get("soak_idea") for r in records if "soak_idea" in r.info and r.n == (r.group or r.n)]
         duplicated = max(0, len(rows) - n) + (len(commits) - len(set(commits))) + (len(ideas) - len(set(ideas)))
         if duplicated:
-            problems.append(f"{len(rows)} rows for {n} experiments; {len(commits) - len(set(commits))} repeated "
-                            f"commits; {len(ideas) - len(set(ideas))} ideas recorded twice")
+            problems.append(
+                f"{len(rows)} rows for {n} experiments; {len(commits) - len(set(commits))} repeated "
+                f"commits; {len(ideas) - len(set(ideas))} ideas recorded twice"
+            )
         misjudged = []
         by_mode: dict[str, dict[str, int]] = {}
         for r in records:
@@ -421,29 +482,56 @@ class Soak:
             if crashed != (mode in CRASHING) and not (mode == "flood" and slow):
                 misjudged.append(f"#{r.n} {mode} -> {r.status} {r.reason}")
         state = load_state(paths)
-        tip = subprocess.run(["git", "rev-parse", f"autoloop/{TAG}"], cwd=self.repo, capture_output=True,
-                             text=True).stdout.strip()
+        tip = subprocess.run(
+            ["git", "rev-parse", f"autoloop/{TAG}"], cwd=self.repo, capture_output=True, text=True
+        ).stdout.strip()
         refs_bad = 0
         for r in records:
-            ref = subprocess.run(["git", "rev-parse", "-q", "--verify", f"refs/autoloop/{TAG}/tried/{r.n}"],
-                                 cwd=self.repo, capture_output=True, text=True).stdout.strip()
+            ref = subprocess.run(
+                ["git", "rev-parse", "-q", "--verify", f"refs/autoloop/{TAG}/tried/{r.n}"],
+                cwd=self.repo,
+                capture_output=True,
+                text=True,
+            ).stdout.strip()
             refs_bad += ref != r.commit
-        status = subprocess.run([sys.executable, "-m", "orchestrator.cli", "status", "--repo", str(self.repo),
-                                 "--tag", TAG, "--json"], cwd=ROOT, capture_output=True, text=True)
+        status = subprocess.run(
+            [sys.executable, "-m", "orchestrator.cli", "status", "--repo", str(self.repo), "--tag", TAG, "--json"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
         logs = [p for p in self.state.rglob("*.log")]
         biggest = max((p.stat().st_size for p in logs), default=0)
         tracebacks = [c.index for c in self.controllers if c.log and b"Traceback" in c.log.read_bytes()]
-        unexpected = [f"controller {c.index}: {c.ended}" for c in self.controllers
-                      if not c.ended.startswith("SIGKILL") and c.ended != "exit 0"]
+        unexpected = [
+            f"controller {c.index}: {c.ended}"
+            for c in self.controllers
+            if not c.ended.startswith("SIGKILL") and c.ended != "exit 0"
+        ]
         left, zombies = self.leftovers()
-        return dict(rows=len(rows), lost=lost, duplicated=duplicated, left=left, zombies=zombies,
-                    misjudged=misjudged, by_mode=by_mode, problems=problems, branch_ok=tip == state.best_commit,
-                    best=state.best_commit, tip=tip, refs_bad=refs_bad, status_rc=status.returncode,
-                    status_err=status.stderr.strip()[-300:], biggest_log=biggest, logs=len(logs),
-                    tracebacks=tracebacks, unexpected=unexpected,
-                    incomplete=len(list((self.state / "incomplete").iterdir()))
-                    if (self.state / "incomplete").is_dir() else 0,
-                    disk_end=disk_usage(self.repo / ".autoloop"), git=disk_usage(self.repo / ".git"))
+        return dict(
+            rows=len(rows),
+            lost=lost,
+            duplicated=duplicated,
+            left=left,
+            zombies=zombies,
+            misjudged=misjudged,
+            by_mode=by_mode,
+            problems=problems,
+            branch_ok=tip == state.best_commit,
+            best=state.best_commit,
+            tip=tip,
+            refs_bad=refs_bad,
+            status_rc=status.returncode,
+            status_err=status.stderr.strip()[-300:],
+            biggest_log=biggest,
+            logs=len(logs),
+            tracebacks=tracebacks,
+            unexpected=unexpected,
+            incomplete=len(list((self.state / "incomplete").iterdir())) if (self.state / "incomplete").is_dir() else 0,
+            disk_end=disk_usage(self.repo / ".autoloop"),
+            git=disk_usage(self.repo / ".git"),
+        )
 
 
 def main() -> None:
@@ -455,9 +543,13 @@ def main() -> None:
     ap.add_argument("--flood-mb", type=int, default=1024, help="MiB a flooding run prints")
     ap.add_argument("--max-log-mb", type=float, default=8.0, help="the loop's --max-log-mb")
     ap.add_argument("--workers", type=int, default=1, help="the loop's --workers (CPU slots)")
-    ap.add_argument("--kill-window", type=float, default=12.0,
-                    help="a kill comes at a random moment up to this many seconds after its row count is reached "
-                         "(longer than a hang's timeout and kill grace, so any moment of any run can be hit)")
+    ap.add_argument(
+        "--kill-window",
+        type=float,
+        default=12.0,
+        help="a kill comes at a random moment up to this many seconds after its row count is reached "
+        "(longer than a hang's timeout and kill grace, so any moment of any run can be hit)",
+    )
     ap.add_argument("--max-minutes", type=float, default=30.0, help="give up on a controller running this long")
     ap.add_argument("--keep", action="store_true", help="keep the temporary repository (kept anyway on failure)")
     args = ap.parse_args()
@@ -477,21 +569,40 @@ def main() -> None:
     v = soak.verdict()
     wall = time.monotonic() - t0
     first, last = soak.controllers[0], soak.controllers[-1]
-    failed = bool(v["lost"] or v["duplicated"] or v["left"] or v["misjudged"] or not v["branch_ok"]
-                  or v["tracebacks"] or v["unexpected"] or v["rows"] < args.experiments)
+    failed = bool(
+        v["lost"]
+        or v["duplicated"]
+        or v["left"]
+        or v["misjudged"]
+        or not v["branch_ok"]
+        or v["tracebacks"]
+        or v["unexpected"]
+        or v["rows"] < args.experiments
+    )
 
-    print(f"soak: {args.experiments} experiments, seed {args.seed}, {len(soak.controllers)} controller "
-          f"processes ({sum(c.ended.startswith('SIGKILL') for c in soak.controllers)} SIGKILLed), --timeout "
-          f"{args.timeout:g}, flood {args.flood_mb} MiB, --max-log-mb {args.max_log_mb:g}, "
-          f"subreaper {'on' if subreaper else 'off'}")
-    print(f"{'#':>3}  {'pid':>7}  {'rows':>9}  {'wall':>7}  {'RSS first':>10}  {'RSS peak':>10}  {'RSS last':>10}  "
-          f"{'orphaned':>8}  ended")
+    print(
+        f"soak: {args.experiments} experiments, seed {args.seed}, {len(soak.controllers)} controller "
+        f"processes ({sum(c.ended.startswith('SIGKILL') for c in soak.controllers)} SIGKILLed), --timeout "
+        f"{args.timeout:g}, flood {args.flood_mb} MiB, --max-log-mb {args.max_log_mb:g}, "
+        f"subreaper {'on' if subreaper else 'off'}"
+    )
+    print(
+        f"{'#':>3}  {'pid':>7}  {'rows':>9}  {'wall':>7}  {'RSS first':>10}  {'RSS peak':>10}  {'RSS last':>10}  "
+        f"{'orphaned':>8}  ended"
+    )
     for c in soak.controllers:
-        print(f"{c.index:>3}  {c.pid:>7}  {c.rows_start:>3} -> {c.rows_end:<3}  {c.wall:>6.1f}s  "
-              f"{mib(c.rss_first):>10}  {mib(c.rss_peak):>10}  {mib(c.rss_last):>10}  {len(c.orphaned):>8}  {c.ended}"
-              + "".join(f"\n{'':>10}orphaned: {o}" for o in c.orphaned))
-    print("modes -> statuses:  " + "; ".join(
-        f"{mode} {', '.join(f'{s} {k}' for s, k in sorted(st.items()))}" for mode, st in sorted(v["by_mode"].items())))
+        print(
+            f"{c.index:>3}  {c.pid:>7}  {c.rows_start:>3} -> {c.rows_end:<3}  {c.wall:>6.1f}s  "
+            f"{mib(c.rss_first):>10}  {mib(c.rss_peak):>10}  {mib(c.rss_last):>10}  {len(c.orphaned):>8}  {c.ended}"
+            + "".join(f"\n{'':>10}orphaned: {o}" for o in c.orphaned)
+        )
+    print(
+        "modes -> statuses:  "
+        + "; ".join(
+            f"{mode} {', '.join(f'{s} {k}' for s, k in sorted(st.items()))}"
+            for mode, st in sorted(v["by_mode"].items())
+        )
+    )
     figures = [
         ("rows", f"{v['rows']} of {args.experiments}"),
         ("rows lost", v["lost"]),
@@ -504,11 +615,16 @@ def main() -> None:
         ("autoloop status", "ok" if v["status_rc"] == 0 else f"exit {v['status_rc']}: {v['status_err']}"),
         ("tracebacks", ", ".join(f"controller {i}" for i in v["tracebacks"]) or "none"),
         ("largest run log", f"{mib(v['biggest_log'])} of {v['logs']} logs (cap {args.max_log_mb:g} MiB)"),
-        ("disk .autoloop", f"start {mib(soak.disk_start)} (after the baseline), end {mib(v['disk_end'])}; "
-                           f".git {mib(v['git'])}"),
-        ("controller RSS", f"start {mib(first.rss_first)} (first controller, first row), peak {mib(first.rss_peak)}; "
-                           f"end {mib(last.rss_last)} (last controller, last sample), peak {mib(last.rss_peak)}; "
-                           f"max {mib(max(c.rss_peak for c in soak.controllers))}"),
+        (
+            "disk .autoloop",
+            f"start {mib(soak.disk_start)} (after the baseline), end {mib(v['disk_end'])}; .git {mib(v['git'])}",
+        ),
+        (
+            "controller RSS",
+            f"start {mib(first.rss_first)} (first controller, first row), peak {mib(first.rss_peak)}; "
+            f"end {mib(last.rss_last)} (last controller, last sample), peak {mib(last.rss_peak)}; "
+            f"max {mib(max(c.rss_peak for c in soak.controllers))}",
+        ),
         ("wall time", f"{wall:.0f}s"),
     ]
     for name, value in figures:

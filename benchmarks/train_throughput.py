@@ -1,7 +1,7 @@
 """Tokens/s, MFU and peak memory of train.py on the current device for a short run.
 
-    python benchmarks/train_throughput.py                 # 20 s of training, default profile for this device
-    python benchmarks/train_throughput.py --budget 60 --profile cpu
+python benchmarks/train_throughput.py                 # 20 s of training, default profile for this device
+python benchmarks/train_throughput.py --budget 60 --profile cpu
 """
 
 from __future__ import annotations
@@ -31,14 +31,16 @@ def main() -> None:
         sys.exit(f"train.py failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
     out = proc.stdout
     rates = [float(x.replace(",", "")) for x in re.findall(r"tok/sec: ([\d,]+)", out)][1:]  # skip the first step
-    summary = dict(re.findall(r"^(\w+):\s+(\S+)$", out[out.rindex("\n---\n"):], re.M))
+    summary = dict(re.findall(r"^(\w+):\s+(\S+)$", out[out.rindex("\n---\n") :], re.M))
     startup = re.search(r"startup ([\d.]+)s", out)
     print(f"device:          {summary.get('device')} ({summary.get('dtype')}, profile {summary.get('profile')})")
     print(f"tokens/s:        {statistics.median(rates):,.0f} (median over {len(rates)} progress lines)")
     print(f"mfu_percent:     {summary['mfu_percent']} (0.00 = peak FLOPs unknown for this device)")
     print(f"peak memory:     {float(summary['peak_vram_mb']):.1f} MB ({summary.get('memory_kind')})")
-    print(f"steps:           {summary['num_steps']} in {summary['training_seconds']}s of training; "
-          f"total {summary['total_seconds']}s; start-up {startup.group(1) if startup else '?'}s")
+    print(
+        f"steps:           {summary['num_steps']} in {summary['training_seconds']}s of training; "
+        f"total {summary['total_seconds']}s; start-up {startup.group(1) if startup else '?'}s"
+    )
     print(f"val_bpb:         {summary['val_bpb']}")
 
 

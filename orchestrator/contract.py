@@ -12,14 +12,14 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import psutil
 
 from .executors import Executor, Job, wait_any
-from .store.ledger import read_record, read_rows
 from .loop import Settings, run_loop
+from .store.ledger import read_record, read_rows
 from .store.session import Paths
 
 FAKE_TRAIN = '''"""A fake train.py: val_bpb is a bowl over the constants; WIDTH >= 512 runs out of memory."""
@@ -56,8 +56,11 @@ def make_git_repo(path: Path, files: dict[str, str]) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     for name, text in files.items():
         (path / name).write_text(text)
-    for cmd in (["git", "init", "-q"], ["git", "add", "-A"],
-                ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "baseline"]):
+    for cmd in (
+        ["git", "init", "-q"],
+        ["git", "add", "-A"],
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "baseline"],
+    ):
         subprocess.run(cmd, cwd=path, check=True)
     return path
 
@@ -68,12 +71,25 @@ def make_fake_repo(path: Path, train: str = FAKE_TRAIN) -> Path:
 
 def train_sources(repo: Path, tag: str, n: int) -> list[str]:
     """train.py as each experiment ran it (from its tried ref)."""
-    return [subprocess.run(["git", "show", f"refs/autoloop/{tag}/tried/{i}:train.py"], cwd=repo, check=True,
-                           capture_output=True, text=True).stdout for i in range(1, n + 1)]
+    return [
+        subprocess.run(
+            ["git", "show", f"refs/autoloop/{tag}/tried/{i}:train.py"],
+            cwd=repo,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+        for i in range(1, n + 1)
+    ]
 
 
-def check_proposer(proposer: str, tmp_dir: Path, experiments: int = 8, distinct: bool = True,
-                   setup: Callable[[Path], None] | None = None) -> list:
+def check_proposer(
+    proposer: str,
+    tmp_dir: Path,
+    experiments: int = 8,
+    distinct: bool = True,
+    setup: Callable[[Path], None] | None = None,
+) -> list:
     """Run `experiments` experiments with the proposer; assert the contract; return the rows.
 
     - it proposes (the loop runs past the baseline) with one-line descriptions and no proposer errors;
@@ -86,8 +102,18 @@ def check_proposer(proposer: str, tmp_dir: Path, experiments: int = 8, distinct:
         setup(repo)  # e.g. queue ideas for the queue proposer
     half = max(2, experiments // 2)
     for limit in (half, experiments):  # a restart half-way: a fresh proposer instance rebuilt from the history
-        run_loop(Settings(repo=repo, tag="contract", budget=1, timeout=30, proposer=proposer, max_experiments=limit,
-                          baseline_repeats=0), echo=lambda line: None)
+        run_loop(
+            Settings(
+                repo=repo,
+                tag="contract",
+                budget=1,
+                timeout=30,
+                proposer=proposer,
+                max_experiments=limit,
+                baseline_repeats=0,
+            ),
+            echo=lambda line: None,
+        )
     rows = read_rows(repo / "results.tsv")
     assert len(rows) > 1, f"{proposer} proposed nothing"
     for n, row in enumerate(rows, start=1):
@@ -98,8 +124,11 @@ def check_proposer(proposer: str, tmp_dir: Path, experiments: int = 8, distinct:
         assert "does not compile" not in row.description, row.description
     if distinct:  # runs the gate asked for again (a candidate's repeats, the best's) are not the proposer's
         records = [read_record(Paths(repo, "contract").run_dir(n)) for n in range(1, len(rows) + 1)]
-        sources = [s for s, r in zip(train_sources(repo, "contract", len(rows)), records)
-                   if r.n > 1 and (r.group or r.n) == r.n]
+        sources = [
+            s
+            for s, r in zip(train_sources(repo, "contract", len(rows)), records)
+            if r.n > 1 and (r.group or r.n) == r.n
+        ]
         assert len(set(sources)) == len(sources), f"{proposer} repeated a configuration"
     return rows
 
@@ -127,15 +156,27 @@ time.sleep(float(os.environ.get("AUTOLOOP_SLEEP", "0")))
 
 
 def code_repo(path: Path) -> Path:
-    return make_git_repo(path, {"hang.py": HANG, "show.py": SHOW, "prepare.py": "X = 1\n",
-                                "tamper.py": "open('prepare.py', 'a').write('# changed\\n')\n"})
+    return make_git_repo(
+        path,
+        {
+            "hang.py": HANG,
+            "show.py": SHOW,
+            "prepare.py": "X = 1\n",
+            "tamper.py": "open('prepare.py', 'a').write('# changed\\n')\n",
+        },
+    )
 
 
 def job(repo: Path, out: Path, steps: list[list[str]], timeout: float = 60.0, **env: str) -> Job:
-    return Job(steps=steps, logs=[f"step{i}.log" for i in range(len(steps))],
-               env={**os.environ, "AUTOLOOP_OUT": "{out}", "AUTOLOOP_PIDS": str(out.parent / f"{out.name}.pids"),
-                    **env},
-               timeout_s=timeout, workdir=repo, out_dir=out, watch=("prepare.py",))
+    return Job(
+        steps=steps,
+        logs=[f"step{i}.log" for i in range(len(steps))],
+        env={**os.environ, "AUTOLOOP_OUT": "{out}", "AUTOLOOP_PIDS": str(out.parent / f"{out.name}.pids"), **env},
+        timeout_s=timeout,
+        workdir=repo,
+        out_dir=out,
+        watch=("prepare.py",),
+    )
 
 
 def _alive(pid: int) -> bool:
@@ -148,31 +189,35 @@ def _alive(pid: int) -> bool:
 def check_steps_logs_outputs(ex: Executor, repo: Path, tmp: Path) -> None:
     """Steps run in order in the code's directory; logs and outputs come back; a failing step stops the rest."""
     out = tmp / "ok"
-    result = ex.submit(job(repo, out, [["{python}", "show.py"], ["{python}", "-c", "print('second')"]]),
-                       ex.slots[0]).result(timeout=120)
+    result = ex.submit(
+        job(repo, out, [["{python}", "show.py"], ["{python}", "-c", "print('second')"]]), ex.slots[0]
+    ).result(timeout=120)
     assert result.ok and not result.infra_error and [s.exit_code for s in result.steps] == [0, 0]
     assert "visible" in (out / "step0.log").read_text() and (out / "step1.log").read_text() == "second\n"
     assert (out / "artifact.bin").read_bytes() == b"x" * 1000 and 0 <= result.ages["artifact.bin"] < 60
     assert result.device and result.node
 
     out = tmp / "fail"
-    result = ex.submit(job(repo, out, [["{python}", "-c", "raise SystemExit(3)"], ["{python}", "show.py"]]),
-                       ex.slots[0]).result(timeout=120)
+    result = ex.submit(
+        job(repo, out, [["{python}", "-c", "raise SystemExit(3)"], ["{python}", "show.py"]]), ex.slots[0]
+    ).result(timeout=120)
     assert [s.exit_code for s in result.steps] == [3] and not result.ok and not result.infra_error
 
 
 def check_watched_files(ex: Executor, repo: Path, tmp: Path) -> None:
     """A step that changes a watched file stops the job there, and says which file."""
     out = tmp / "tamper"
-    result = ex.submit(job(repo, out, [["{python}", "tamper.py"], ["{python}", "show.py"]]),
-                       ex.slots[0]).result(timeout=120)
+    result = ex.submit(job(repo, out, [["{python}", "tamper.py"], ["{python}", "show.py"]]), ex.slots[0]).result(
+        timeout=120
+    )
     assert result.modified == ["prepare.py"] and len(result.steps) == 1
 
 
 def check_own_gpus(ex: Executor, repo: Path, tmp: Path) -> list[str]:
     """Jobs running at once each see their own CUDA_VISIBLE_DEVICES; returns what they saw."""
-    handles = [ex.submit(job(repo, tmp / f"gpu{s.index}", [["{python}", "show.py"]], AUTOLOOP_SLEEP="3"), s)
-               for s in ex.slots]
+    handles = [
+        ex.submit(job(repo, tmp / f"gpu{s.index}", [["{python}", "show.py"]], AUTOLOOP_SLEEP="3"), s) for s in ex.slots
+    ]
     results = [h.result(timeout=120) for h in handles]
     assert all(r.ok for r in results), results
     seen = [(tmp / f"gpu{s.index}" / "step0.log").read_text().split(" ", 1)[1].strip() for s in ex.slots]
@@ -184,8 +229,9 @@ def check_timeout_kills_tree(ex: Executor, repo: Path, tmp: Path) -> None:
     """A hung step is killed at the hard timeout, with its grandchildren; the job says it timed out."""
     out = tmp / "hang"
     t = time.monotonic()
-    result = ex.submit(job(repo, out, [["{python}", "hang.py"], ["{python}", "show.py"]], timeout=4.0),
-                       ex.slots[0]).result(timeout=120)
+    result = ex.submit(
+        job(repo, out, [["{python}", "hang.py"], ["{python}", "show.py"]], timeout=4.0), ex.slots[0]
+    ).result(timeout=120)
     assert result.steps[0].timed_out and len(result.steps) == 1 and not result.infra_error
     assert time.monotonic() - t < 60
     assert_dead(tmp / "hang.pids")

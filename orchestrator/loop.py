@@ -9,31 +9,31 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import re
 import os
+import re
 import signal
 import time
 from collections import Counter
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from . import LoopError
-from .store import gitops
-from .doctor import preflight
-from .executors import Executor, make_executor
 from .core.holdout import due, holdout_check
 from .core.judge import Finished, decide
-from .store.ledger import Record
 from .core.noise import load_statistics, significant_lines
 from .core.plan import Ideas, Kind, plan
 from .core.progress import Progress
-from .proposers import Context, load
-from .store.session import Lock, write_status
 from .core.settings import Settings
-from .store.spend import Spend
 from .core.state import Cause, State, Status, group_of
-from .trackers.base import Trackers
 from .core.trial import Run, run_generation
 from .core.workspace import SessionChanged, Workspace
+from .doctor import preflight
+from .executors import Executor, make_executor
+from .proposers import Context, load
+from .store import gitops
+from .store.ledger import Record
+from .store.session import Lock, write_status
+from .store.spend import Spend
+from .trackers.base import Trackers
 
 __all__ = ["Settings", "Terminated", "run_loop"]
 
@@ -59,8 +59,10 @@ def run_loop(settings: Settings, echo: Callable[[str], None] = print) -> State:
             if settings.tag_given:
                 raise LoopError(str(changed)) from None
             tried.append(f"{settings.tag}-{len(tried) + 2}")
-            echo(f"autoloop: session {changed.tag} was started with other settings ({'; '.join(changed.differences)})"
-                 f"; this run is session {tried[-1]}")
+            echo(
+                f"autoloop: session {changed.tag} was started with other settings ({'; '.join(changed.differences)})"
+                f"; this run is session {tried[-1]}"
+            )
 
 
 def _session(settings: Settings, echo: Callable[[str], None]) -> State:
@@ -71,9 +73,17 @@ def _session(settings: Settings, echo: Callable[[str], None]) -> State:
         preflight(settings, executor.slots)  # free disk, an agent CLI that answers (ws.open: GPU, data)
         ws.open(executor)
         state = ws.resume()
-        proposer = proposer_cls(Context(repo=settings.repo, tag=settings.tag, seed=settings.seed,
-                                        profile=ws.profile, options=dict(settings.options), spend=ws.spend,
-                                        pass_env=tuple(settings.pass_env)))
+        proposer = proposer_cls(
+            Context(
+                repo=settings.repo,
+                tag=settings.tag,
+                seed=settings.seed,
+                profile=ws.profile,
+                options=dict(settings.options),
+                spend=ws.spend,
+                pass_env=tuple(settings.pass_env),
+            )
+        )
         ideas = Ideas(ws, proposer, proposer.pipeline if settings.pipeline is None else bool(settings.pipeline))
         for record in state.records:
             proposer.observe(record)
@@ -130,14 +140,24 @@ def start_generation(ws: Workspace, executor: Executor, state: State, remaining:
     slots = len(executor.slots) if remaining is None else min(len(executor.slots), remaining)
     previous = ws.generation
     ws.generation = previous + 1
-    write_status(ws.paths, phase="proposing", n=state.done + 1, experiment_started=time.time(), description="",
-                 pid=os.getpid(), tag=ws.settings.tag, budget=ws.settings.budget, running=[],
-                 generation=ws.generation)
+    write_status(
+        ws.paths,
+        phase="proposing",
+        n=state.done + 1,
+        experiment_started=time.time(),
+        description="",
+        pid=os.getpid(),
+        tag=ws.settings.tag,
+        budget=ws.settings.budget,
+        running=[],
+        generation=ws.generation,
+    )
     return slots
 
 
-def record_generation(ws: Workspace, state: State, runs: list[Run], ideas: Ideas, progress: Progress,
-                      trackers: Trackers) -> None:
+def record_generation(
+    ws: Workspace, state: State, runs: list[Run], ideas: Ideas, progress: Progress, trackers: Trackers
+) -> None:
     """Judge the finished generation, record each run (record.json, row, branch, trackers), then let the
     proposer see them (after any idea it is making is done: its observe() never runs while its propose() does)."""
     progress.clear()
@@ -176,14 +196,16 @@ def finished(ws: Workspace, state: State, run: Run) -> Finished:
         return Finished(record, run.kind, crashed=True)
     shorter = False
     if run.kind in (Kind.CANDIDATE, Kind.RERUN, Kind.CONFIRM) and state.best_group:
-        lines = [significant_lines(ws.repo.git.show(f"{commit}:train.py")) for commit in (record.commit,
-                                                                                           state.best_commit)]
+        lines = [
+            significant_lines(ws.repo.git.show(f"{commit}:train.py")) for commit in (record.commit, state.best_commit)
+        ]
         shorter = lines[0] < lines[1]
     return Finished(record, run.kind, shorter=shorter)
 
 
-def stopped(ws: Workspace, executor: Executor, state: State, ideas: Ideas, progress: Progress,
-            error: BaseException) -> None:
+def stopped(
+    ws: Workspace, executor: Executor, state: State, ideas: Ideas, progress: Progress, error: BaseException
+) -> None:
     """On the way out of the loop: no run still running, no idea still being made, the branch at the best, the
     status file saying so (signals wait meanwhile: a second Ctrl-C cannot cut this short); then, after Ctrl-C,
     the held-out check if one is due (Ctrl-C again skips it)."""
@@ -195,8 +217,11 @@ def stopped(ws: Workspace, executor: Executor, state: State, ideas: Ideas, progr
             gitops.reset_to(ws.wt, state.best_commit)
         write_status(ws.paths, phase="stopped", train_pid=None, train_pids={}, running=[])
         if isinstance(error, KeyboardInterrupt):
-            lost = "the runs of the current generation were" if len(executor.slots) > 1 else \
-                f"experiment {state.done + 1} was"
+            lost = (
+                "the runs of the current generation were"
+                if len(executor.slots) > 1
+                else f"experiment {state.done + 1} was"
+            )
             ws.echo(f"autoloop: interrupted; {lost} not recorded. Run the same command to resume.")
     try:
         if not ideas.stopped():
@@ -227,26 +252,39 @@ def check_health(ws: Workspace, state: State, runs: list[Run]) -> None:
     if not state.best_group:
         first = runs[0].record
         where = " on every slot" if len(runs) > 1 else ""
-        raise LoopError(f"the unmodified baseline crashed{where} ({first.reason}); fix train.py or the "
-                        f"environment, see {ws.paths.run_dir(first.n) / 'run.log'}")
+        raise LoopError(
+            f"the unmodified baseline crashed{where} ({first.reason}); fix train.py or the "
+            f"environment, see {ws.paths.run_dir(first.n) / 'run.log'}"
+        )
     best_runs = [r for r in state.records if group_of(r) == state.best_group and r.n != state.best_run]
     for run in runs:
         again = best_runs[-2:]
-        if run.kind == Kind.PARENT and run.crash and (run.crash.cause == Cause.ENVIRONMENT or len(again) == 2 and all(
-                r.status == Status.CRASH for r in again)):
-            raise LoopError(f"experiment {run.record.n}, a run of the unchanged best that ran before, crashed "
-                            f"({run.record.reason}): the environment is failing, not an idea. Fix it (see "
-                            f"{ws.paths.run_dir(run.record.n) / 'run.log'}), then run the same command to resume")
+        if (
+            run.kind == Kind.PARENT
+            and run.crash
+            and (
+                run.crash.cause == Cause.ENVIRONMENT or len(again) == 2 and all(r.status == Status.CRASH for r in again)
+            )
+        ):
+            raise LoopError(
+                f"experiment {run.record.n}, a run of the unchanged best that ran before, crashed "
+                f"({run.record.reason}): the environment is failing, not an idea. Fix it (see "
+                f"{ws.paths.run_dir(run.record.n) / 'run.log'}), then run the same command to resume"
+            )
     k = ws.settings.max_crashes
     recent = state.records[-k:]
     if len(recent) < k or not all(r.status == Status.CRASH for r in recent):
         return
     if all("train" not in r.timings for r in recent):
-        raise LoopError(f"the last {k} ideas all failed before training (last: {recent[-1].reason}); check the "
-                        f"proposer's settings and its log in runs/{recent[-1].n}/, then run the same command to resume")
-    raise LoopError(f"the last {k} experiments all crashed ({common_cause(recent)}); fix the cause (see "
-                    f"{ws.paths.run_dir(recent[-1].n) / 'run.log'}), then run the same command to resume "
-                    f"(--max-crashes sets how many crashes in a row stop the loop)")
+        raise LoopError(
+            f"the last {k} ideas all failed before training (last: {recent[-1].reason}); check the "
+            f"proposer's settings and its log in runs/{recent[-1].n}/, then run the same command to resume"
+        )
+    raise LoopError(
+        f"the last {k} experiments all crashed ({common_cause(recent)}); fix the cause (see "
+        f"{ws.paths.run_dir(recent[-1].n) / 'run.log'}), then run the same command to resume "
+        f"(--max-crashes sets how many crashes in a row stop the loop)"
+    )
 
 
 def common_cause(records: list[Record]) -> str:
@@ -254,8 +292,9 @@ def common_cause(records: list[Record]) -> str:
     reasons = Counter(re.sub(r"^exit code -?\d+: ", "", r.reason) for r in records)
     reason, count = reasons.most_common(1)[0]
     blamed = sum(r.cause == Cause.ENVIRONMENT for r in records)
-    return (f"{'all' if count == len(records) else f'{count} of {len(records)}'}: {reason}"
-            + (f"; {blamed} blamed on the environment" if blamed else ""))
+    return f"{'all' if count == len(records) else f'{count} of {len(records)}'}: {reason}" + (
+        f"; {blamed} blamed on the environment" if blamed else ""
+    )
 
 
 def header(settings: Settings, executor: Executor, state: State, pipeline: bool) -> list[str]:
@@ -267,7 +306,8 @@ def header(settings: Settings, executor: Executor, state: State, pipeline: bool)
         f"autoloop: executor {executor.name} | {len(slots)} slot(s): "
         f"{', '.join(slot.label for slot in slots[:8])}{' ...' if len(slots) > 8 else ''}"
         f"{' | generations of ' + str(len(slots)) + ' runs' if len(slots) > 1 else ''}",
-        f"{'#':>4}  {'commit':7}  {'val_bpb':>9}  {'best':>9}  {'mem_gb':>6}  {'status':7}  description"]
+        f"{'#':>4}  {'commit':7}  {'val_bpb':>9}  {'best':>9}  {'mem_gb':>6}  {'status':7}  description",
+    ]
 
 
 def console_line(record: Record, state: State) -> str:
@@ -287,6 +327,8 @@ def session_summary(settings: Settings, state: State, stop: str) -> str:
     line = f"autoloop: stopped ({stop}). {state.done} experiments: {keeps} keep, {crashes} crash."
     if state.baseline_bpb is not None and state.best_bpb is not None:
         delta = state.best_bpb - state.baseline_bpb
-        line += (f" val_bpb {state.baseline_bpb:.6f} -> {state.best_bpb:.6f} ({delta:+.6f}, "
-                 f"{100 * delta / state.baseline_bpb:+.2f}%) at {state.best_commit[:7]} on autoloop/{settings.tag}")
+        line += (
+            f" val_bpb {state.baseline_bpb:.6f} -> {state.best_bpb:.6f} ({delta:+.6f}, "
+            f"{100 * delta / state.baseline_bpb:+.2f}%) at {state.best_commit[:7]} on autoloop/{settings.tag}"
+        )
     return line

@@ -36,8 +36,10 @@ def load(kind: str, name: str, base: type) -> type:
             module, _, attr = name.partition(":")
             cls = getattr(importlib.import_module(module), attr)
         else:
-            raise LoopError(f"unknown {kind} {name!r}; available: {', '.join(available(kind))} (third-party "
-                            f"{kind}s register in the entry-point group '{GROUPS[kind]}')")
+            raise LoopError(
+                f"unknown {kind} {name!r}; available: {', '.join(available(kind))} (third-party "
+                f"{kind}s register in the entry-point group '{GROUPS[kind]}')"
+            )
     except LoopError:
         raise
     except Exception as e:  # noqa: BLE001

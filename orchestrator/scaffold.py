@@ -25,8 +25,13 @@ except ModuleNotFoundError:  # Python 3.10
 
 # workspace path -> file in orchestrator/template/ (dot-files are stored without their dot: packaging tools and
 # editors treat a ".gitignore" inside a package as their own)
-FILES = {"train.py": "train.py", "prepare.py": "prepare.py", "program.md": "program.md",
-         ".gitignore": "gitignore", "pyproject.toml": "pyproject.toml"}
+FILES = {
+    "train.py": "train.py",
+    "prepare.py": "prepare.py",
+    "program.md": "program.md",
+    ".gitignore": "gitignore",
+    "pyproject.toml": "pyproject.toml",
+}
 IGNORED = (".autoloop/", "/results.tsv", "/progress.png", "/report.md")
 
 
@@ -52,12 +57,18 @@ def _new(target: Path) -> tuple[list[str], str | None]:
     if target.exists() and not target.is_dir():
         raise LoopError(f"{target} is a file; give a new or empty directory")
     # a fresh virtualenv or editor settings (dot-entries) may be there already; nothing else may
-    present = sorted(p.name for p in target.iterdir() if not p.name.startswith(".") or p.name in FILES) \
-        if target.is_dir() else []
+    present = (
+        sorted(p.name for p in target.iterdir() if not p.name.startswith(".") or p.name in FILES)
+        if target.is_dir()
+        else []
+    )
     if present:
         shown = ", ".join(present[:5]) + (", ..." if len(present) > 5 else "")
-        hint = ("`autoloop init --existing` adds what is missing next to its train.py"
-                if "train.py" in present else "give a new or empty directory")
+        hint = (
+            "`autoloop init --existing` adds what is missing next to its train.py"
+            if "train.py" in present
+            else "give a new or empty directory"
+        )
         raise LoopError(f"{target} is not empty ({shown}); {hint}")
     made_dir, made_git = not target.exists(), not (target / ".git").exists()
     try:
@@ -88,22 +99,32 @@ def _existing(target: Path) -> tuple[list[str], str | None]:
     try:
         repo = gitops.isolated(git.Repo(target, search_parent_directories=True))
     except (git.InvalidGitRepositoryError, git.NoSuchPathError):
-        raise LoopError(f"{target} is not in a git repository; --existing adds autoloop's files to a repository "
-                        f"with a train.py. For a new workspace: `autoloop init DIR`") from None
+        raise LoopError(
+            f"{target} is not in a git repository; --existing adds autoloop's files to a repository "
+            f"with a train.py. For a new workspace: `autoloop init DIR`"
+        ) from None
     root = Path(repo.working_tree_dir)
     if root.resolve() != target.resolve():
-        raise LoopError(f"{target} is inside the repository {root}; autoloop works on a train.py at a repository's "
-                        f"root: `autoloop init --existing {root}`")
+        raise LoopError(
+            f"{target} is inside the repository {root}; autoloop works on a train.py at a repository's "
+            f"root: `autoloop init --existing {root}`"
+        )
     if not (root / "train.py").exists():
-        raise LoopError(f"no train.py in {root}; --existing adds autoloop's files next to your train.py. For a new "
-                        "workspace give a new directory: `autoloop init DIR`")
+        raise LoopError(
+            f"no train.py in {root}; --existing adds autoloop's files next to your train.py. For a new "
+            "workspace give a new directory: `autoloop init DIR`"
+        )
     if not repo.head.is_valid() or not gitops.blob_sha(repo, "HEAD", "train.py"):
-        raise LoopError(f"train.py is not committed in {root}; the loop starts from a commit: "
-                        "git add train.py && git commit -m 'train.py', then run this again")
+        raise LoopError(
+            f"train.py is not committed in {root}; the loop starts from a commit: "
+            "git add train.py && git commit -m 'train.py', then run this again"
+        )
     dirty = [f for f in (".gitignore", "pyproject.toml") if repo.git.status("--porcelain", "--", f).strip()]
     if dirty:
-        raise LoopError(f"uncommitted changes to {' and '.join(dirty)}; init commits the lines it adds there, so "
-                        "commit or stash yours first")
+        raise LoopError(
+            f"uncommitted changes to {' and '.join(dirty)}; init commits the lines it adds there, so "
+            "commit or stash yours first"
+        )
     project = root / "pyproject.toml"
     text = project.read_text() if project.exists() else ""
     try:
@@ -119,11 +140,21 @@ def _existing(target: Path) -> tuple[list[str], str | None]:
     missing = [line for line in IGNORED if line not in text_ignore.split()]
     if missing:
         head = "" if not text_ignore or text_ignore.endswith("\n") else "\n"
-        writes[".gitignore"] = (text_ignore + head + ("\n" if text_ignore else "")
-                                + "# autoloop's own state (never committed)\n" + "\n".join(missing) + "\n")
+        writes[".gitignore"] = (
+            text_ignore
+            + head
+            + ("\n" if text_ignore else "")
+            + "# autoloop's own state (never committed)\n"
+            + "\n".join(missing)
+            + "\n"
+        )
     if not has_table:
-        writes["pyproject.toml"] = (text + ("\n" if text and not text.endswith("\n") else "")
-                                    + ("\n" if text else "") + template("pyproject.toml"))
+        writes["pyproject.toml"] = (
+            text
+            + ("\n" if text and not text.endswith("\n") else "")
+            + ("\n" if text else "")
+            + template("pyproject.toml")
+        )
     if not writes:
         return [], None
     before = {name: (root / name).read_text() if (root / name).exists() else None for name in writes}

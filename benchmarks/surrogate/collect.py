@@ -76,14 +76,16 @@ def design(space: dict[str, Param], default: dict, sobol: int, repeats: int, rep
 
     names = sorted(space)
     points = qmc.Sobol(d=len(names), scramble=True, seed=seed).random(sobol)
-    filling = [{n: rounded(from_unit(space[n], float(u)), space[n].kind) for n, u in zip(names, row)}
-               for row in points]
+    filling = [{n: rounded(from_unit(space[n], float(u)), space[n].kind) for n, u in zip(names, row)} for row in points]
     local = [{**default, n: v} for n in names for v in neighbours(space[n], default[n])]
     rng = random.Random(seed)
     configs = [("default", default)] + [("sobol", c) for c in filling] + [("local", c) for c in local]
     runs = [{"kind": kind, "config_id": i, "config": c} for i, (kind, c) in enumerate(configs)]
-    chosen = [0] + rng.sample(range(1, 1 + sobol), min(repeated // 2, sobol)) + \
-        rng.sample(range(1 + sobol, len(configs)), min(repeated - repeated // 2 - 1, len(local)))
+    chosen = (
+        [0]
+        + rng.sample(range(1, 1 + sobol), min(repeated // 2, sobol))
+        + rng.sample(range(1 + sobol, len(configs)), min(repeated - repeated // 2 - 1, len(local)))
+    )
     runs += [dict(runs[i]) for i in chosen for _ in range(repeats - 1)]
     rng.shuffle(runs)
     return runs
@@ -94,8 +96,9 @@ def run_once(workdir: Path, budget: float, profile: str, timeout: float, env: di
     env = {**os.environ, "AUTOLOOP_TIME_BUDGET": str(budget), "AUTOLOOP_PROFILE": profile, **(env or {})}
     t0 = time.monotonic()
     try:
-        proc = subprocess.run([sys.executable, "train.py"], cwd=workdir, env=env, capture_output=True, text=True,
-                              timeout=timeout)
+        proc = subprocess.run(
+            [sys.executable, "train.py"], cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout
+        )
         out, code = proc.stdout + proc.stderr, proc.returncode
     except subprocess.TimeoutExpired as e:
         out, code = f"{e.stdout or ''}\ntimeout after {timeout:.0f}s", -9
@@ -104,9 +107,14 @@ def run_once(workdir: Path, budget: float, profile: str, timeout: float, env: di
     if code or "val_bpb" not in found or not math.isfinite(float(found["val_bpb"])):
         last = next((line for line in reversed(out.strip().splitlines()) if line.strip()), f"exit code {code}")
         return {"val_bpb": "", "crash": last.strip()[:200], "steps": "", "training_seconds": "", "wall": f"{wall:.1f}"}
-    return {"val_bpb": found["val_bpb"], "crash": "", "steps": found.get("num_steps", ""),
-            "training_seconds": found.get("training_seconds", ""), "params_M": found.get("num_params_M", ""),
-            "wall": f"{wall:.1f}"}
+    return {
+        "val_bpb": found["val_bpb"],
+        "crash": "",
+        "steps": found.get("num_steps", ""),
+        "training_seconds": found.get("training_seconds", ""),
+        "params_M": found.get("num_params_M", ""),
+        "wall": f"{wall:.1f}",
+    }
 
 
 def main() -> int:
@@ -124,8 +132,20 @@ def main() -> int:
     space, default = read_space(source, args.profile)
     runs = design(space, default, args.sobol, args.repeats, args.repeated, args.seed)
     names = sorted(space)
-    fields = ["run", "kind", "config_id", *names, "val_bpb", "crash", "steps", "training_seconds", "params_M",
-              "wall", "budget", "profile"]
+    fields = [
+        "run",
+        "kind",
+        "config_id",
+        *names,
+        "val_bpb",
+        "crash",
+        "steps",
+        "training_seconds",
+        "params_M",
+        "wall",
+        "budget",
+        "profile",
+    ]
     done = 0
     if args.out.exists():
         with args.out.open() as f:
@@ -134,9 +154,12 @@ def main() -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         with args.out.open("w", newline="") as f:
             csv.DictWriter(f, fields).writeheader()
-    todo = runs[done:args.limit]
-    print(f"{len(runs)} runs planned ({len(space)} dimensions, profile {args.profile}, {args.budget:g}s each); "
-          f"{done} done, {len(todo)} to go", flush=True)
+    todo = runs[done : args.limit]
+    print(
+        f"{len(runs)} runs planned ({len(space)} dimensions, profile {args.profile}, {args.budget:g}s each); "
+        f"{done} done, {len(todo)} to go",
+        flush=True,
+    )
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -146,13 +169,22 @@ def main() -> int:
             changes = {n: v for n, v in config.items() if v != default[n]}
             (work / "train.py").write_text(apply_changes(source, args.profile, changes))
             result = run_once(work, args.budget, args.profile, timeout=3 * args.budget + 60)
-            row = {"run": k, "kind": run["kind"], "config_id": run["config_id"], **config, **result,
-                   "budget": args.budget, "profile": args.profile}
+            row = {
+                "run": k,
+                "kind": run["kind"],
+                "config_id": run["config_id"],
+                **config,
+                **result,
+                "budget": args.budget,
+                "profile": args.profile,
+            }
             with args.out.open("a", newline="") as f:
                 csv.DictWriter(f, fields, extrasaction="ignore").writerow(row)
             shown = f"val_bpb {result['val_bpb']}" if result["val_bpb"] else f"crash: {result['crash'][:80]}"
-            print(f"[{time.monotonic() - t0:6.0f}s] {k}/{len(runs)} {run['kind']:7s} #{run['config_id']:<3d} {shown}",
-                  flush=True)
+            print(
+                f"[{time.monotonic() - t0:6.0f}s] {k}/{len(runs)} {run['kind']:7s} #{run['config_id']:<3d} {shown}",
+                flush=True,
+            )
     return 0
 
 

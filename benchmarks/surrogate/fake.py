@@ -15,7 +15,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-BODY = '''
+BODY = """
 # ---------------------------------------------------------------------------
 # The surrogate (not a hyperparameter)
 # ---------------------------------------------------------------------------
@@ -56,7 +56,7 @@ print("mfu_percent:      0.00")
 print("total_tokens_M:   0.1")
 print("num_steps:        100")
 print("num_params_M:     0.1")
-'''
+"""
 
 
 def activations(config: dict) -> int:
@@ -81,17 +81,17 @@ def memory_limit(space: dict, share: float, seed: int = 0, draws: int = 20_000) 
     return limit, sum(x > limit for x in values) / draws
 
 
-def fake_train(real_source: str, profile: str, model: Path, state: Path, noise_scale: float = 1.0,
-               memory_limit: int | None = None) -> str:
+def fake_train(
+    real_source: str, profile: str, model: Path, state: Path, noise_scale: float = 1.0, memory_limit: int | None = None
+) -> str:
     """The fake train.py: the real one's hyperparameter constants (this profile's values and bounds, written
     as plain constants) and the surrogate's body. `noise_scale` multiplies the surrogate's run-to-run sd (a
     stress test: the same landscape, noisier runs). A configuration whose `activations` exceed `memory_limit`
     runs out of memory, every time (a crash region set by hand: the collections on a CPU have none)."""
-    from orchestrator.store.hparams import format_value, read_constants
     from orchestrator.proposers.space import read_space
+    from orchestrator.store.hparams import format_value, read_constants
 
-    lines = ['"""train.py answering from a surrogate (benchmarks/surrogate/fake.py)."""', "",
-             "# Hyperparameters"]
+    lines = ['"""train.py answering from a surrogate (benchmarks/surrogate/fake.py)."""', "", "# Hyperparameters"]
     for c in read_constants(real_source, profile):
         if c.choices:
             bounds = "{" + ", ".join(str(x) for x in c.choices) + "}"
@@ -101,6 +101,15 @@ def fake_train(real_source: str, profile: str, model: Path, state: Path, noise_s
             bounds = ""
         lines.append(f"{c.name} = {c.value!r}  # {bounds}".rstrip())
     space, _ = read_space(real_source, profile)
-    return "\n".join(lines) + "\n" + BODY.format(here=str(HERE), names=sorted(space), state=str(state),
-                                                  model=str(model), noise_scale=float(noise_scale),
-                                                  memory_limit=memory_limit)
+    return (
+        "\n".join(lines)
+        + "\n"
+        + BODY.format(
+            here=str(HERE),
+            names=sorted(space),
+            state=str(state),
+            model=str(model),
+            noise_scale=float(noise_scale),
+            memory_limit=memory_limit,
+        )
+    )

@@ -44,9 +44,19 @@ class Encoding:
         self.dims = dims  # [{"name", "kind", "low", "high", "choices"}]
 
     @classmethod
-    def from_space(cls, space) -> "Encoding":
-        return cls([{"name": n, "kind": p.kind, "low": p.low, "high": p.high,
-                     "choices": list(p.choices) if p.choices else None} for n, p in sorted(space.items())])
+    def from_space(cls, space) -> Encoding:
+        return cls(
+            [
+                {
+                    "name": n,
+                    "kind": p.kind,
+                    "low": p.low,
+                    "high": p.high,
+                    "choices": list(p.choices) if p.choices else None,
+                }
+                for n, p in sorted(space.items())
+            ]
+        )
 
     def row(self, config: dict) -> list[float]:
         out = []
@@ -93,7 +103,7 @@ class Surrogate:
         np.savez(path, dims=np.array(json.dumps(self.encoding.dims)), **self.a)
 
     @classmethod
-    def load(cls, path: Path) -> "Surrogate":
+    def load(cls, path: Path) -> Surrogate:
         with np.load(path) as z:
             arrays = {k: z[k] for k in z.files if k != "dims"}
             return cls(arrays, json.loads(str(z["dims"])))
@@ -109,8 +119,11 @@ def read_runs(csv_path: Path, space) -> tuple[list[dict], list[float | None]]:
         config = {}
         for name, p in space.items():
             v = row[name]
-            config[name] = (type(p.choices[0])(v) if p.choices and not isinstance(p.choices[0], str) else str(v)) \
-                if p.kind == "choice" else float(v)
+            config[name] = (
+                (type(p.choices[0])(v) if p.choices and not isinstance(p.choices[0], str) else str(v))
+                if p.kind == "choice"
+                else float(v)
+            )
         configs.append(config)
         values.append(None if pd.isna(row["val_bpb"]) else float(row["val_bpb"]))
     return configs, values
@@ -144,8 +157,9 @@ def fit(configs: list[dict], values: list[float | None], encoding: Encoding) -> 
     ok, x, y = observed(groups, encoding)
     y = np.minimum(y, np.quantile(y, CAP_QUANTILE))  # the diverged are all just bad (CAP_QUANTILE)
     y_mean, y_std = float(y.mean()), float(y.std() or 1.0)
-    kernel = ConstantKernel(1.0, (1e-3, 1e3)) * Matern(np.ones(x.shape[1]), (1e-2, 1e2), nu=2.5) + \
-        WhiteKernel(1e-2, (1e-6, 1.0))
+    kernel = ConstantKernel(1.0, (1e-3, 1e3)) * Matern(np.ones(x.shape[1]), (1e-2, 1e2), nu=2.5) + WhiteKernel(
+        1e-2, (1e-6, 1.0)
+    )
     gp = GaussianProcessRegressor(kernel, normalize_y=False, n_restarts_optimizer=2, random_state=0)
     with warnings.catch_warnings():  # a length scale at its upper bound: the data show no effect of that dimension
         warnings.simplefilter("ignore", ConvergenceWarning)
@@ -161,10 +175,12 @@ def fit(configs: list[dict], values: list[float | None], encoding: Encoding) -> 
         slope = float(np.clip(slope, 0.0, 2.0))  # sd grows with the mean at most as fast as mean**2
         intercept = float(np.mean(np.log(sds) - slope * means))
         # a sample sd is biased low in the log; the pooled variance sets the level
-        pooled = math.sqrt(sum((len(g["values"]) - 1) * np.var(g["values"], ddof=1) for g in rep)
-                           / sum(len(g["values"]) - 1 for g in rep))
+        pooled = math.sqrt(
+            sum((len(g["values"]) - 1) * np.var(g["values"], ddof=1) for g in rep)
+            / sum(len(g["values"]) - 1 for g in rep)
+        )
         fitted = np.exp(intercept + slope * means)
-        intercept += math.log(pooled / math.sqrt(np.mean(fitted ** 2)))
+        intercept += math.log(pooled / math.sqrt(np.mean(fitted**2)))
         sd_range = [0.5 * float(sds.min()), 2.0 * float(sds.max())]
     else:
         slope, intercept = 0.0, math.log(max(float(np.std(y)) * 0.05, 1e-4))
@@ -177,10 +193,19 @@ def fit(configs: list[dict], values: list[float | None], encoding: Encoding) -> 
     if seen:
         clf = LogisticRegression(C=1.0, max_iter=2000).fit(xc, yc)
         coef, icpt = clf.coef_[0], float(clf.intercept_[0])
-    arrays = {"X": x, "alpha": np.asarray(gp.alpha_, dtype=float).ravel(), "length_scale": length,
-              "amplitude": np.array(amplitude), "y_mean": np.array(y_mean), "y_std": np.array(y_std),
-              "sd_coef": np.array([intercept, slope]), "sd_range": np.array(sd_range), "crash_coef": coef, "crash_intercept": np.array(icpt),
-              "crash_seen": np.array(bool(seen))}
+    arrays = {
+        "X": x,
+        "alpha": np.asarray(gp.alpha_, dtype=float).ravel(),
+        "length_scale": length,
+        "amplitude": np.array(amplitude),
+        "y_mean": np.array(y_mean),
+        "y_std": np.array(y_std),
+        "sd_coef": np.array([intercept, slope]),
+        "sd_range": np.array(sd_range),
+        "crash_coef": coef,
+        "crash_intercept": np.array(icpt),
+        "crash_seen": np.array(bool(seen)),
+    }
     return Surrogate(arrays, encoding.dims)
 
 
@@ -200,8 +225,9 @@ class Forest:
         return (np.exp(self.model.predict(self.encoding.matrix(configs))),)
 
 
-def fidelity(configs: list[dict], values: list[float | None], encoding: Encoding, folds: int = 5,
-             seed: int = 0, fitter=fit) -> dict:
+def fidelity(
+    configs: list[dict], values: list[float | None], encoding: Encoding, folds: int = 5, seed: int = 0, fitter=fit
+) -> dict:
     """Spearman rank correlation between predicted and measured means on held-out configurations (k-fold):
     `fitter(configs, values, encoding)` is fitted on the other folds and predicts each fold."""
     from scipy.stats import spearmanr
@@ -220,8 +246,7 @@ def fidelity(configs: list[dict], values: list[float | None], encoding: Encoding
         model = fitter(cfg, val, encoding)
         predicted[test] = model.predict([ok[i]["config"] for i in test])[0]
     rho = float(spearmanr(predicted, measured).statistic)
-    return {"spearman": rho, "configs": len(ok), "folds": folds,
-            "mae": float(np.mean(np.abs(predicted - measured)))}
+    return {"spearman": rho, "configs": len(ok), "folds": folds, "mae": float(np.mean(np.abs(predicted - measured)))}
 
 
 def main() -> int:
@@ -232,8 +257,11 @@ def main() -> int:
     ap.add_argument("csv", type=Path, help="a collection (collect.py --out)")
     ap.add_argument("--profile", default="tiny", choices=["gpu", "cpu", "tiny"])
     ap.add_argument("--out", type=Path, help="save the fitted surrogate here (.npz)")
-    ap.add_argument("--compare", action="store_true",
-                    help="also the held-out Spearman of a random forest and extra trees on the same folds")
+    ap.add_argument(
+        "--compare",
+        action="store_true",
+        help="also the held-out Spearman of a random forest and extra trees on the same folds",
+    )
     args = ap.parse_args()
     space, _ = read_space((ROOT / "train.py").read_text(), args.profile)
     encoding = Encoding.from_space(space)

@@ -1,1 +1,2 @@
-"""The experiment logic under the loop: settings, the noise gate, state, planning, trials, judging, held-out checks, the workspace."""
+"""The experiment logic under the loop: settings, the noise gate, state, planning, trials, judging, held-out
+checks, the workspace."""

@@ -7,13 +7,14 @@ import contextlib
 import json
 import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, TYPE_CHECKING
+from typing import TYPE_CHECKING
 
-from ..trust.evaluation import RESULT, evaluator_flags, holdout_text, read_evaluation, read_result
-from ..trust.summary import read_tail
 from ..executors import OUT, PYTHON, Executor, Job
 from ..store.ledger import write_json_atomic
+from ..trust.evaluation import RESULT, evaluator_flags, holdout_text, read_evaluation, read_result
+from ..trust.summary import read_tail
 from .state import State, group_of
 
 if TYPE_CHECKING:
@@ -41,11 +42,18 @@ def holdout_check(ws: Workspace, executor: Executor, state: State, echo: Callabl
     for name, n in (("baseline", state.baseline_run), ("best", state.best_run)):
         record = next(r for r in state.records if r.n == n)
         artifact = ws.paths.run_dir(n) / "model.pt"
-        value, why = (evaluate(ws, executor, record.commit, artifact, ws.paths.state / "holdout" / str(n))
-                      if artifact.exists() else (None, f"the saved model of #{n} is gone"))
+        value, why = (
+            evaluate(ws, executor, record.commit, artifact, ws.paths.state / "holdout" / str(n))
+            if artifact.exists()
+            else (None, f"the saved model of #{n} is gone")
+        )
         runs = state.runs(group_of(record))
-        result[name] = {"n": n, "commit": record.commit, "holdout_bpb": value,
-                        "val_bpb": runs[-1] if name == "best" and runs else state.baseline_bpb}
+        result[name] = {
+            "n": n,
+            "commit": record.commit,
+            "holdout_bpb": value,
+            "val_bpb": runs[-1] if name == "best" and runs else state.baseline_bpb,
+        }
         if value is None:
             result["error"] = f"{name} (#{n}): {why}"
             break
@@ -63,10 +71,28 @@ def evaluate(ws: Workspace, executor: Executor, commit: str, artifact: Path, out
         return None, f"cannot check out {commit[:7]}: {str(e).strip().splitlines()[-1][:200]}"
     nonce = secrets.token_hex(16)
     channel = ["--result", f"{OUT}/{RESULT}"] if ws.harness_info.result_file else []
-    job = Job(steps=[[PYTHON, *evaluator_flags(ws.info), "prepare.py", "--evaluate", f"{OUT}/model.pt", "--split", "holdout", *channel]],
-              logs=["eval.log"], env={k: v for k, v in ws.env.items() if k != "AUTOLOOP_EVAL_ARTIFACT"},
-              timeout_s=ws.settings.hard_timeout, workdir=ws.paths.proposal, out_dir=out,
-              inputs={"model.pt": artifact}, step_stdin=[nonce + "\n"], sandbox=ws.sandbox)
+    job = Job(
+        steps=[
+            [
+                PYTHON,
+                *evaluator_flags(ws.info),
+                "prepare.py",
+                "--evaluate",
+                f"{OUT}/model.pt",
+                "--split",
+                "holdout",
+                *channel,
+            ]
+        ],
+        logs=["eval.log"],
+        env={k: v for k, v in ws.env.items() if k != "AUTOLOOP_EVAL_ARTIFACT"},
+        timeout_s=ws.settings.hard_timeout,
+        workdir=ws.paths.proposal,
+        out_dir=out,
+        inputs={"model.pt": artifact},
+        step_stdin=[nonce + "\n"],
+        sandbox=ws.sandbox,
+    )
     job.on_start = lambda pid: ws.track_pid("holdout", pid, time.time())  # killed on the way out if need be
     for _ in range(MAX_ATTEMPTS):
         handle = executor.submit(job, executor.slots[0])
@@ -84,8 +110,11 @@ def evaluate(ws: Workspace, executor: Executor, commit: str, artifact: Path, out
     step = result.steps[0]
     if step.timed_out:
         return None, f"the harness evaluation timed out after {job.timeout_s:.0f}s"
-    value, _, why = read_result(out / RESULT, nonce, step.exit_code, "holdout") if channel else \
-        read_evaluation(read_tail(step.log), "holdout")
+    value, _, why = (
+        read_result(out / RESULT, nonce, step.exit_code, "holdout")
+        if channel
+        else read_evaluation(read_tail(step.log), "holdout")
+    )
     (out / "model.pt").unlink(missing_ok=True)  # a copy of the input
     return value, why
 
@@ -95,8 +124,8 @@ def for_report(repo: Path, tag: str, echo: Callable[[str], None]) -> dict | None
     before the check, or the check was skipped), with the environment its runs had. Not while a loop runs on
     the tag (that loop makes its own), and not for a session recorded before its environment was kept."""
     from ..executors import LocalExecutor
-    from ..trust.harness import HarnessInfo
     from ..store.session import Lock, Paths
+    from ..trust.harness import HarnessInfo
     from .settings import Settings
     from .state import load_state
     from .workspace import Workspace

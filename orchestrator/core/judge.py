@@ -14,12 +14,11 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, replace
 
-from ..trust import redaction
 from ..store.ledger import Record, Row
+from ..trust import redaction
 from .noise import Gate, Verdict, judge
 from .plan import Kind
 from .state import Decision, State, Status, counts, group_of
-
 
 DISTURBED = 0.7  # a run below this share of its twins' median throughput was slowed from outside
 
@@ -93,8 +92,11 @@ def _judge(state: State, runs: list[Finished], gate: Gate) -> None:
         run.record.status = Status.CRASH if run.crashed else Status.DISCARD
     if not state.best_group:
         for i, run in enumerate(ok):
-            run.record.gate = {"decision": Decision.KEEP if i == 0 else Decision.REPEAT, "runs": i + 1,
-                               "why": "baseline"}
+            run.record.gate = {
+                "decision": Decision.KEEP if i == 0 else Decision.REPEAT,
+                "runs": i + 1,
+                "why": "baseline",
+            }
         if ok:
             ok[0].record.status = Status.KEEP
         return
@@ -105,13 +107,18 @@ def _judge(state: State, runs: list[Finished], gate: Gate) -> None:
 
     def parent_on(device: str) -> list[float]:
         return state.runs(state.best_group, device) + [
-            r.record.bpb for r in ok if r.kind == Kind.PARENT and r.record.device == device]
+            r.record.bpb for r in ok if r.kind == Kind.PARENT and r.record.device == device
+        ]
 
     for run in ok:
         if run.kind == Kind.PARENT:
             parent = parent_on(run.record.device)
-            run.record.gate = {"decision": Decision.REPEAT, "runs": len(parent), "mean": statistics.fmean(parent),
-                               "why": str(run.record.info.get("repeat", ""))}
+            run.record.gate = {
+                "decision": Decision.REPEAT,
+                "runs": len(parent),
+                "mean": statistics.fmean(parent),
+                "why": str(run.record.info.get("repeat", "")),
+            }
     candidates = [r for r in ok if r.kind == Kind.CANDIDATE]
     for run in candidates:
         parent = parent_on(run.record.device)
@@ -133,8 +140,9 @@ def _judge(state: State, runs: list[Finished], gate: Gate) -> None:
     for run in ok:
         if run.record.gate.get("decision") == Decision.KEEP:
             run.record.status = Status.KEEP
-    rerun_taken = any(r.record.gate.get("decision") == Decision.RERUN for r in ok) or \
-        (state.pending is not None and not followups)
+    rerun_taken = any(r.record.gate.get("decision") == Decision.RERUN for r in ok) or (
+        state.pending is not None and not followups
+    )
     for run in (r for r in runs if r.disturbed):
         if run.kind in (Kind.RERUN, Kind.CONFIRM):  # the pending candidate stays pending: it runs again
             decision = Decision.CONFIRMING
@@ -143,22 +151,32 @@ def _judge(state: State, runs: list[Finished], gate: Gate) -> None:
         else:
             decision = Decision.REPEAT if run.kind in (Kind.PARENT, Kind.BASELINE) else Decision.DISCARD
         again = decision != Decision.DISCARD
-        run.record.gate = {"decision": decision, "runs": 1, "disturbed": run.disturbed,
-                           "note": f"{run.disturbed}: {'not counted, running again' if again else 'not judged'}"}
+        run.record.gate = {
+            "decision": decision,
+            "runs": 1,
+            "disturbed": run.disturbed,
+            "note": f"{run.disturbed}: {'not counted, running again' if again else 'not judged'}",
+        }
 
 
 def select(candidates: list[Finished]) -> None:
     """Of several candidates, the best of those that beat the best or are promising (better, and not hopeless)
     is selected to run again; none is kept now."""
-    eligible = [r for r in candidates if r.record.gate.get("decision") in (Decision.KEEP, Decision.RERUN)
-                and r.record.gate.get("delta", 0) > 0]
+    eligible = [
+        r
+        for r in candidates
+        if r.record.gate.get("decision") in (Decision.KEEP, Decision.RERUN) and r.record.gate.get("delta", 0) > 0
+    ]
     for run in candidates:
         run.record.gate["decision"] = Decision.DISCARD
     if not eligible:
         return
     winner = min(eligible, key=lambda r: r.record.bpb)
-    winner.record.gate.update(decision=Decision.RERUN, selection=True,
-                              note=f"best of {len(candidates)}, by {winner.record.gate['delta']:.4f}: confirming")
+    winner.record.gate.update(
+        decision=Decision.RERUN,
+        selection=True,
+        note=f"best of {len(candidates)}, by {winner.record.gate['delta']:.4f}: confirming",
+    )
     for run in eligible:
         if run is not winner:
             run.record.gate["note"] = "beat the parent, but not the best of its generation"
@@ -174,37 +192,53 @@ def settle(state: State, followups: list[Finished], parent_on, others: list[list
     values = state.runs(group, device) + [r.record.bpb for r in followups if r.record.device == device]
     parent = parent_on(device)
     if not parent:
-        final.record.gate = {"decision": Decision.DISCARD, "runs": len(values),
-                             "note": "not confirmed: no parent run on this device"}
+        final.record.gate = {
+            "decision": Decision.DISCARD,
+            "runs": len(values),
+            "note": "not confirmed: no parent run on this device",
+        }
         return
     verdict = judge(values, parent, others, gate, final.shorter)
     final.record.gate = gate_fields(verdict, values, parent)
     if confirming:
         final.record.gate["confirmation"] = True
-        n = len(values)
-        final.record.gate["note"] = (
-            f"confirmed by {n} run(s): {verdict.delta:+.4f} vs the parent, margin {verdict.margin:.4f}"
-            if verdict.decision == Decision.KEEP else
-            f"inside the margin after {n} run(s) ({verdict.delta:+.4f}, margin {verdict.margin:.4f}): running again"
-            if verdict.decision == Decision.RERUN else
-            f"not confirmed: {n} confirmation run(s) {verdict.why} ({verdict.delta:+.4f}, margin {verdict.margin:.4f})")
+        n, figures = len(values), f"{verdict.delta:+.4f}, margin {verdict.margin:.4f}"
+        if verdict.decision == Decision.KEEP:
+            note = f"confirmed by {n} run(s): {verdict.delta:+.4f} vs the parent, margin {verdict.margin:.4f}"
+        elif verdict.decision == Decision.RERUN:
+            note = f"inside the margin after {n} run(s) ({figures}): running again"
+        else:
+            note = f"not confirmed: {n} confirmation run(s) {verdict.why} ({figures})"
+        final.record.gate["note"] = note
 
 
 def gate_fields(verdict: Verdict, candidate: list[float], parent: list[float]) -> dict:
     """The decision and its evidence, as record.json keeps them: both means, spreads and run counts, the test,
     its statistic and the threshold it had to clear at this look."""
-    return {"decision": Decision(verdict.decision), "runs": len(candidate), "mean": statistics.fmean(candidate),
-            "best_mean": statistics.fmean(parent), "margin": verdict.margin, "delta": verdict.delta,
-            "why": verdict.why, **verdict.evidence}
+    return {
+        "decision": Decision(verdict.decision),
+        "runs": len(candidate),
+        "mean": statistics.fmean(candidate),
+        "best_mean": statistics.fmean(parent),
+        "margin": verdict.margin,
+        "delta": verdict.delta,
+        "why": verdict.why,
+        **verdict.evidence,
+    }
 
 
 def row_of(record: Record) -> Row:
     """The record's row in results.tsv (no secret of ours in it, in any encoding: redaction.redact)."""
     crashed = record.status == Status.CRASH
     bpb, description = row_text(record)
-    return Row(record.commit, bpb, 0.0 if crashed else float(record.metrics.get("peak_vram_mb", 0.0)) / 1024,
-               0.0 if crashed else float(record.metrics.get("mfu_percent", 0.0)), str(record.status),
-               redaction.redact(description))
+    return Row(
+        record.commit,
+        bpb,
+        0.0 if crashed else float(record.metrics.get("peak_vram_mb", 0.0)) / 1024,
+        0.0 if crashed else float(record.metrics.get("mfu_percent", 0.0)),
+        str(record.status),
+        redaction.redact(description),
+    )
 
 
 def row_text(record: Record) -> tuple[float, str]:

@@ -68,7 +68,7 @@ def reference_spread(groups: list[list[float]]) -> Spread:
     if not measured:
         return Spread(None, 0)
     dofs = [len(g) - 1 for g in measured]
-    variances = [max(statistics.variance(g), RESOLUTION ** 2) for g in measured]
+    variances = [max(statistics.variance(g), RESOLUTION**2) for g in measured]
     centre = statistics.median(math.log(v) - math.log(float(chi2.median(d)) / d) for v, d in zip(variances, dofs))
     if len(measured) < 3:  # too few to see how the spreads differ: worth their runs
         dof = float(sum(dofs))
@@ -149,7 +149,7 @@ def t_quantile(p: float, dof: float) -> float:
 def look_alpha(gate: Gate, look: int) -> float:
     """The share of the false-keep budget spent at this look: growing with the look (k^SPEND), since early
     looks, on one or two runs, can only keep large effects anyway; the shares sum to `alpha`."""
-    weights = [k ** SPEND for k in range(1, gate.max_repeats + 1)]
+    weights = [k**SPEND for k in range(1, gate.max_repeats + 1)]
     return gate.alpha * weights[min(look, gate.max_repeats) - 1] / sum(weights)
 
 
@@ -177,7 +177,9 @@ def welch(c: Sample, b: Sample) -> tuple[float, float]:
     """Standard error of the difference of means and Welch-Satterthwaite degrees of freedom."""
     vc, vb = c.var / c.n, b.var / b.n
     se = math.sqrt(vc + vb)
-    parts = (vc * vc / c.dof if c.dof else math.inf if vc else 0.0) + (vb * vb / b.dof if b.dof else math.inf if vb else 0.0)
+    parts = (vc * vc / c.dof if c.dof else math.inf if vc else 0.0) + (
+        vb * vb / b.dof if b.dof else math.inf if vb else 0.0
+    )
     dof = (vc + vb) ** 2 / parts if parts and math.isfinite(parts) else 0.0
     return se, dof
 
@@ -191,12 +193,14 @@ def samples(candidate: list[float], best: list[float], others: list[list[float]]
         return sample(candidate, ref), sample(best, ref), ref
     ref = pooled_spread([candidate, best])
     var = ref.var or 0.0
-    return (Sample(len(candidate), statistics.fmean(candidate), var, ref.dof),
-            Sample(len(best), statistics.fmean(best), var, ref.dof), ref)
+    return (
+        Sample(len(candidate), statistics.fmean(candidate), var, ref.dof),
+        Sample(len(best), statistics.fmean(best), var, ref.dof),
+        ref,
+    )
 
 
-def judge(candidate: list[float], best: list[float], others: list[list[float]], gate: Gate,
-          shorter: bool) -> Verdict:
+def judge(candidate: list[float], best: list[float], others: list[list[float]], gate: Gate, shorter: bool) -> Verdict:
     """Decide on the candidate's runs so far (this is look len(candidate)) against the best's runs; `others`
     are the runs of every other configuration (they give the reference spread)."""
     delta = statistics.fmean(best) - statistics.fmean(candidate)
@@ -216,17 +220,37 @@ def judge(candidate: list[float], best: list[float], others: list[list[float]], 
     se = max(se, RESOLUTION)  # every run of both alike: as exact as the printed value
     t = delta / se
     margin = max(gate.min_delta, q * se)
-    evidence = {"test": "welch-t", "t": t, "threshold": q, "dof": dof, "se": se, "look": look,
-                "looks": gate.max_repeats, "alpha": look_alpha(gate, look), "sd": c.sd, "best_sd": b.sd,
-                "best_runs": b.n, "ref_sd": ref.sd, "ref_dof": ref.dof}
+    evidence = {
+        "test": "welch-t",
+        "t": t,
+        "threshold": q,
+        "dof": dof,
+        "se": se,
+        "look": look,
+        "looks": gate.max_repeats,
+        "alpha": look_alpha(gate, look),
+        "sd": c.sd,
+        "best_sd": b.sd,
+        "best_runs": b.n,
+        "ref_sd": ref.sd,
+        "ref_dof": ref.dof,
+    }
     if t > q and delta > gate.min_delta:
         return Verdict("keep", margin, delta, f"beats the best: t {t:.2f} > {q:.2f}", evidence)
     if shorter and t > -SIMPLER_T:
-        return Verdict("keep", margin, delta, f"simplification: shorter, and not worse by more than {SIMPLER_T:g} "
-                       "standard error", evidence)
+        return Verdict(
+            "keep",
+            margin,
+            delta,
+            f"simplification: shorter, and not worse by more than {SIMPLER_T:g} standard error",
+            evidence,
+        )
     bound = FUTILITY[min(look, len(FUTILITY)) - 1]
     if more and t > bound:
         return Verdict("rerun", margin, delta, f"promising (t {t:.2f}): run again", evidence)
-    why = f"not better beyond the noise after {look} run(s) (t {t:.2f})" if not more else \
-        f"hopeless: t {t:.2f} <= {bound:g} at run {look}"
+    why = (
+        f"not better beyond the noise after {look} run(s) (t {t:.2f})"
+        if not more
+        else f"hopeless: t {t:.2f} <= {bound:g} at run {look}"
+    )
     return Verdict("discard", margin, delta, why, evidence)

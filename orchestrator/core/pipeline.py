@@ -9,14 +9,15 @@ new best with a three-way merge, and asks again if that fails.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, TYPE_CHECKING
+from typing import TYPE_CHECKING
 
-from ..store import gitops
 from ..executors.background import Background
-from ..store.ledger import Record
 from ..proposers import Proposal, ProposalFailed, Proposer
 from ..proposers.queue import apply_idea
+from ..store import gitops
+from ..store.ledger import Record
 
 if TYPE_CHECKING:
     from .workspace import Workspace

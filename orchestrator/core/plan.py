@@ -9,18 +9,17 @@ ideas are made while one trains (`Ideas.ahead`) and carried over to a new best w
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
 
+from ..proposers import Proposer
 from ..store.ledger import Record
 from .noise import parent_first
 from .pipeline import Prefetch, Prepared, carry, make_proposal
-from ..proposers import Proposer
 from .state import State, group_of
 
 if TYPE_CHECKING:
@@ -88,8 +87,9 @@ class Ideas:
         return prefetch is None or prefetch.wait(CANCEL_WAIT_S)
 
 
-def candidates(ws: Workspace, proposer: Proposer, best: str, records: list[Record], count: int,
-               earlier: Sequence[Prepared] = ()) -> list[Prepared]:
+def candidates(
+    ws: Workspace, proposer: Proposer, best: str, records: list[Record], count: int, earlier: Sequence[Prepared] = ()
+) -> list[Prepared]:
     """Up to `count` distinct ideas on `best`. Each one sees the ideas made before it (`earlier` too) as
     experiments in flight, with a commit the proposer can read."""
     out: list[Prepared] = []
@@ -112,14 +112,27 @@ def candidates(ws: Workspace, proposer: Proposer, best: str, records: list[Recor
 
 
 def in_flight(prepared: Prepared) -> Record:
-    return Record(n=0, status="running", description=prepared.description, commit=prepared.planned,
-                  parent=prepared.base, info=prepared.info)
+    return Record(
+        n=0,
+        status="running",
+        description=prepared.description,
+        commit=prepared.planned,
+        parent=prepared.base,
+        info=prepared.info,
+    )
 
 
 def as_running(record: Record) -> Record:
     """How a proposer sees an experiment still in flight: its idea and commit, no result yet."""
-    return Record(n=record.n, status="running", description=record.description, commit=record.commit,
-                  parent=record.parent, info=record.info, group=record.group)
+    return Record(
+        n=record.n,
+        status="running",
+        description=record.description,
+        commit=record.commit,
+        parent=record.parent,
+        info=record.info,
+        group=record.group,
+    )
 
 
 def again(ws: Workspace, state: State, first: Record, description: str, info: dict, kind: Kind) -> Planned:
@@ -127,14 +140,23 @@ def again(ws: Workspace, state: State, first: Record, description: str, info: di
     keeps the best where it is)."""
     kept = {k: v for k, v in first.info.items() if k not in ("queue_id", "usage", "infra_failures")}
     patch = (ws.paths.run_dir(first.n) / "diff.patch").read_text()
-    return Planned(Prepared(base=state.best_commit, description=description, patch=patch, group=first.n,
-                            info={**kept, **info}), kind)
+    return Planned(
+        Prepared(base=state.best_commit, description=description, patch=patch, group=first.n, info={**kept, **info}),
+        kind,
+    )
 
 
 def parent_run(state: State, why: str, label: str = "") -> Planned:
     name = "baseline" if state.best_group == state.baseline_group else "parent"
-    return Planned(Prepared(base=state.best_commit, description=label or f"{name} (repeat: {why})",
-                            group=state.best_group, info={"repeat": why}), Kind.PARENT)
+    return Planned(
+        Prepared(
+            base=state.best_commit,
+            description=label or f"{name} (repeat: {why})",
+            group=state.best_group,
+            info={"repeat": why},
+        ),
+        Kind.PARENT,
+    )
 
 
 def plan(ws: Workspace, ideas: Ideas, state: State, slots: int) -> list[Planned]:
@@ -142,24 +164,50 @@ def plan(ws: Workspace, ideas: Ideas, state: State, slots: int) -> list[Planned]
     s, best = ws.settings, state.best_commit
     if not state.best_group:
         first = "baseline" if state.done == 0 else "baseline (retry)"
-        return [Planned(Prepared(base=best, description=first if i == 0 else f"baseline (slot {i + 1})",
-                                 group=state.done + 1), Kind.BASELINE) for i in range(slots)]
+        return [
+            Planned(
+                Prepared(base=best, description=first if i == 0 else f"baseline (slot {i + 1})", group=state.done + 1),
+                Kind.BASELINE,
+            )
+            for i in range(slots)
+        ]
     if state.pending is not None:
         pending = next(r for r in state.records if r.n == state.pending)
         again_runs: list[Planned]
         if pending.gate.get("selection"):  # a best-of-k pick: confirm it on half the slots
             k = max(1, math.ceil(slots / 2))
-            again_runs = [again(ws, state, pending, f"{pending.description} (confirmation {i + 1}/{k})",
-                                {"confirm": i + 1}, Kind.CONFIRM) for i in range(k)]
+            again_runs = [
+                again(
+                    ws,
+                    state,
+                    pending,
+                    f"{pending.description} (confirmation {i + 1}/{k})",
+                    {"confirm": i + 1},
+                    Kind.CONFIRM,
+                )
+                for i in range(k)
+            ]
         else:
             device = state.records[-1].device
             mine, parents = state.runs(state.pending, device), state.runs(state.best_group, device)
-            if slots == 1 and mine and parents and \
-                    parent_first(mine, parents, state.others(device, state.best_group, state.pending)):
+            if (
+                slots == 1
+                and mine
+                and parents
+                and parent_first(mine, parents, state.others(device, state.best_group, state.pending))
+            ):
                 return [parent_run(state, f"sharpening the comparison with pending run {state.pending}")]
             n = sum(1 for r in state.records if group_of(r) == state.pending) + 1
-            again_runs = [again(ws, state, pending, f"{pending.description} (repeat {n}/{s.gate.max_repeats})",
-                                {"repeat": n}, Kind.RERUN)]
+            again_runs = [
+                again(
+                    ws,
+                    state,
+                    pending,
+                    f"{pending.description} (repeat {n}/{s.gate.max_repeats})",
+                    {"repeat": n},
+                    Kind.RERUN,
+                )
+            ]
         return again_runs + [parent_run(state, "confirmation") for _ in range(slots - len(again_runs))]
     runs: list[Planned] = []
     wanted, base = 1 + s.baseline_repeats, state.baseline_group
@@ -167,8 +215,7 @@ def plan(ws: Workspace, ideas: Ideas, state: State, slots: int) -> list[Planned]
     have = sum(1 for r in since if group_of(r) == base)
     if state.best_group == base and have == len(since) and have < wanted:  # σ from the baseline, before any idea
         count = slots if wanted - have >= slots else min(wanted - have, slots - 1)
-        runs = [parent_run(state, "measuring σ", f"baseline (repeat {have + i + 1}/{wanted})")
-                for i in range(count)]
+        runs = [parent_run(state, "measuring σ", f"baseline (repeat {have + i + 1}/{wanted})") for i in range(count)]
         for i, run in enumerate(runs):
             run.prepared.info = {"repeat": have + i + 1}
     device = state.records[-1].device if state.records else ""

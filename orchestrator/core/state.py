@@ -17,8 +17,8 @@ from enum import Enum
 
 from .. import LoopError
 from ..store.ledger import Record, read_record, read_rows
-from .noise import Spread, reference_spread
 from ..store.session import Paths
+from .noise import Spread, reference_spread
 
 
 class _Word(str, Enum):
@@ -77,8 +77,12 @@ def group_of(record: Record) -> int:
 def counts(record: Record) -> bool:
     """Does this run's value count in its configuration's mean? Crashes do not, nor a best-of-k pick (biased
     low: the winner's curse), nor a run slowed from outside (disturbed)."""
-    return record.status != Status.CRASH and record.val_bpb is not None and not record.gate.get("selection") \
+    return (
+        record.status != Status.CRASH
+        and record.val_bpb is not None
+        and not record.gate.get("selection")
         and not record.gate.get("disturbed")
+    )
 
 
 @dataclass
@@ -98,8 +102,9 @@ class State:
 
     def runs(self, group: int, device: str | None = None) -> list[float]:
         """val_bpb of the counted runs of `group` (on `device` only, if given)."""
-        return [r.bpb for r in self.records
-                if group_of(r) == group and counts(r) and (device is None or r.device == device)]
+        return [
+            r.bpb for r in self.records if group_of(r) == group and counts(r) and (device is None or r.device == device)
+        ]
 
     @property
     def best_bpb(self) -> float | None:
@@ -162,13 +167,20 @@ def load_records(paths: Paths) -> list[Record]:
     for n, row in enumerate(read_rows(paths.ledger), start=1):
         record = read_record(paths.run_dir(n))
         if record is None:
-            record = Record(n=n, status=row.status, description=row.description, commit=row.commit,
-                            val_bpb=row.val_bpb if row.status != "crash" else None)
+            record = Record(
+                n=n,
+                status=row.status,
+                description=row.description,
+                commit=row.commit,
+                val_bpb=row.val_bpb if row.status != "crash" else None,
+            )
         elif record.n != n or not record.commit.startswith(row.commit) or record.status != row.status:
-            raise LoopError(f"{paths.ledger} line {n + 1} ({row.commit} {row.status} {row.description[:40]!r}) is not "
-                            f"run {n} (commit {record.commit[:7]}, {record.status}, {record.description[:40]!r}, "
-                            f"from runs/{n}/record.json): a row was deleted or edited by hand. Restore the rows in "
-                            "order, then run the same command to resume")
+            raise LoopError(
+                f"{paths.ledger} line {n + 1} ({row.commit} {row.status} {row.description[:40]!r}) is not "
+                f"run {n} (commit {record.commit[:7]}, {record.status}, {record.description[:40]!r}, "
+                f"from runs/{n}/record.json): a row was deleted or edited by hand. Restore the rows in "
+                "order, then run the same command to resume"
+            )
         records.append(record)
     return records
 

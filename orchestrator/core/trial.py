@@ -6,8 +6,6 @@ What counts is the harness's measurement of the saved model, never the number tr
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import json
 import os
 import secrets
@@ -16,22 +14,23 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import git
 import psutil
 
 from .. import LoopError
+from ..executors import OUT, PYTHON, Executor, Handle, Job, JobResult, Slot, wait_any
 from ..store import gitops
+from ..store.ledger import Record
+from ..store.session import write_status
 from ..trust import redaction
 from ..trust.evaluation import RESULT, audit_clock, compare_printed, evaluator_flags, read_evaluation, read_result
-from ..executors import OUT, PYTHON, Executor, Handle, Job, JobResult, Slot, wait_any
 from ..trust.guard import new_violations
-from ..store.ledger import Record
+from ..trust.summary import environment_error, last_error_line, parse_summary, read_tail, val_bpb_of
 from .plan import Ideas, Kind, Planned, as_running, parent_run
 from .progress import Progress, format_eta, last_step
-from ..store.session import write_status
 from .state import Cause, Crash, Phase, State, counts, group_of
-from ..trust.summary import environment_error, last_error_line, parse_summary, read_tail, val_bpb_of
 
 if TYPE_CHECKING:
     from .workspace import Workspace
@@ -83,8 +82,10 @@ def stage(ws: Workspace, wt: git.Repo, record: Record, prepared) -> Crash | None
         crash = Crash(why, Phase.CHECK)
     problems = [] if crash else ws.integrity_problems()  # an edit outside train.py never runs anyway
     if problems:
-        raise LoopError(f"the prepared harness no longer verifies ({'; '.join(problems)}); an earlier run may have "
-                        "modified it. Re-run `python prepare.py --force`, then the same autoloop command to resume")
+        raise LoopError(
+            f"the prepared harness no longer verifies ({'; '.join(problems)}); an earlier run may have "
+            "modified it. Re-run `python prepare.py --force`, then the same autoloop command to resume"
+        )
     record.timings["check"] = time.monotonic() - t
     t = time.monotonic()
     if crash is not None:  # a failed idea is committed as its train.py alone: no stray files in the object store
@@ -99,8 +100,13 @@ def stage(ws: Workspace, wt: git.Repo, record: Record, prepared) -> Crash | None
 # A run's HOME, TMPDIR and kernel caches are its own (deleted after it): a cache shared by the session's runs
 # would be a channel between them (weights saved there by one run were loaded by later ones). Compilation is
 # start-up, which the clock audit does not count against the budget.
-SCRATCH = {"HOME": f"{OUT}/home", "TMPDIR": f"{OUT}/tmp", "TORCHINDUCTOR_CACHE_DIR": f"{OUT}/tmp/inductor",
-           "TRITON_CACHE_DIR": f"{OUT}/tmp/triton", "XDG_CACHE_HOME": f"{OUT}/tmp/xdg"}
+SCRATCH = {
+    "HOME": f"{OUT}/home",
+    "TMPDIR": f"{OUT}/tmp",
+    "TORCHINDUCTOR_CACHE_DIR": f"{OUT}/tmp/inductor",
+    "TRITON_CACHE_DIR": f"{OUT}/tmp/triton",
+    "XDG_CACHE_HOME": f"{OUT}/tmp/xdg",
+}
 
 
 def build_job(ws: Workspace, workdir: Path, run_dir: Path) -> Job:
@@ -120,16 +126,37 @@ def build_job(ws: Workspace, workdir: Path, run_dir: Path) -> Job:
     stdin: list[str | None] = [None]
     if ws.harness_info.artifacts:
         env["AUTOLOOP_EVAL_ARTIFACT"] = f"{OUT}/model.pt"
-        steps.append([PYTHON, *evaluator_flags(ws.info), "prepare.py", "--evaluate", f"{OUT}/model.pt", "--split",
-                      "val", *(["--result", f"{OUT}/{RESULT}"] if ws.harness_info.result_file else [])])
+        steps.append(
+            [
+                PYTHON,
+                *evaluator_flags(ws.info),
+                "prepare.py",
+                "--evaluate",
+                f"{OUT}/model.pt",
+                "--split",
+                "val",
+                *(["--result", f"{OUT}/{RESULT}"] if ws.harness_info.result_file else []),
+            ]
+        )
         logs.append("eval.log")
         step_env.append({"AUTOLOOP_EVAL_ARTIFACT": None})
         stdin.append(secrets.token_hex(16) + "\n")  # the result counts only with this run's nonce
     watch = tuple(name for name in gitops.Repo(workdir).git.ls_files("-z").split("\0") if name)
-    return Job(steps=steps, logs=logs, env=env, timeout_s=ws.settings.hard_timeout, workdir=workdir,
-               out_dir=run_dir, watch=watch, step_env=step_env, log_cap=int(ws.settings.max_log_mb * (1 << 20)),
-               step_stdin=stdin, sandbox=ws.sandbox, local_only=local_only,
-               step_hidden=[evaluation_data(ws.harness_info.manifest) + corpus_source(ws)])  # what it is scored on
+    return Job(
+        steps=steps,
+        logs=logs,
+        env=env,
+        timeout_s=ws.settings.hard_timeout,
+        workdir=workdir,
+        out_dir=run_dir,
+        watch=watch,
+        step_env=step_env,
+        log_cap=int(ws.settings.max_log_mb * (1 << 20)),
+        step_stdin=stdin,
+        sandbox=ws.sandbox,
+        local_only=local_only,
+        step_hidden=[evaluation_data(ws.harness_info.manifest) + corpus_source(ws)],
+    )  # what it is scored on
 
 
 def corpus_source(ws: Workspace) -> tuple[str, ...]:
@@ -163,6 +190,7 @@ def evaluation_data(manifest: Path | None) -> tuple[str, ...]:
 
 def submit(ws: Workspace, executor: Executor, job: Job, slot: Slot, record: Record) -> Handle:
     """Start the job; the pids of its processes on this machine go to status.json (resume kills orphans)."""
+
     def on_start(pid: int) -> None:
         try:
             created = psutil.Process(pid).create_time()
@@ -175,14 +203,31 @@ def submit(ws: Workspace, executor: Executor, job: Job, slot: Slot, record: Reco
     return executor.submit(job, slot)
 
 
-def start(ws: Workspace, executor: Executor, state: State, planned: Planned, slot: Slot, n: int, proposer: str,
-          runs: list[Run]) -> None:
+def start(
+    ws: Workspace,
+    executor: Executor,
+    state: State,
+    planned: Planned,
+    slot: Slot,
+    n: int,
+    proposer: str,
+    runs: list[Run],
+) -> None:
     """Stage the run in its slot's worktree and submit it, listed in `runs` before it starts (whatever stops
     the generation cancels it); a run whose idea may not run is done at once."""
     prepared = planned.prepared
-    record = Record(n=n, status="crash", description=prepared.description, parent=prepared.base,
-                    proposer=proposer, started=time.time() - prepared.waited, best_before=state.best_bpb,
-                    info=dict(prepared.info), group=prepared.group or n, slot=slot.index)
+    record = Record(
+        n=n,
+        status="crash",
+        description=prepared.description,
+        parent=prepared.base,
+        proposer=proposer,
+        started=time.time() - prepared.waited,
+        best_before=state.best_bpb,
+        info=dict(prepared.info),
+        group=prepared.group or n,
+        slot=slot.index,
+    )
     record.timings["propose"], record.timings["propose_wait"] = prepared.seconds, prepared.waited
     if prepared.ready:
         record.timings["idea_waited"] = time.time() - prepared.ready  # long when made while others trained
@@ -203,8 +248,15 @@ def start(ws: Workspace, executor: Executor, state: State, planned: Planned, slo
     run.started = time.monotonic()
 
 
-def run_generation(ws: Workspace, executor: Executor, state: State, planned: list[Planned], ideas: Ideas, progress: Progress,
-                   remaining: int | None) -> list[Run]:
+def run_generation(
+    ws: Workspace,
+    executor: Executor,
+    state: State,
+    planned: list[Planned],
+    ideas: Ideas,
+    progress: Progress,
+    remaining: int | None,
+) -> list[Run]:
     """Start every planned run, refill slots freed early with runs of the best, wait for all; runs by number.
     With pipelining the next generation's ideas are made meanwhile."""
     runs: list[Run] = []
@@ -216,7 +268,7 @@ def run_generation(ws: Workspace, executor: Executor, state: State, planned: lis
         for item, slot in zip(planned, slots):
             start(ws, executor, state, item, slot, next_n, ideas.proposer.name, runs)
             next_n += 1
-        free = [r.slot for r in runs if r.done] + slots[len(planned):]
+        free = [r.slot for r in runs if r.done] + slots[len(planned) :]
         if remaining is None or remaining > len(planned):
             ideas.ahead(state.best_commit, [*state.records, *(as_running(r.record) for r in runs)], len(slots))
         while True:
@@ -229,31 +281,60 @@ def run_generation(ws: Workspace, executor: Executor, state: State, planned: lis
                         infra_retry(ws, executor, run.record, result)
                         run.handle = submit(ws, executor, run.job, run.slot, run.record)
                         continue
-                    run.crash, run.done = measure_safely(ws, run.record, result, run.job, startup,
-                                                         run.kind not in (Kind.BASELINE, Kind.PARENT)), True
+                    run.crash, run.done = (
+                        measure_safely(
+                            ws, run.record, result, run.job, startup, run.kind not in (Kind.BASELINE, Kind.PARENT)
+                        ),
+                        True,
+                    )
                     if problems := ws.integrity_problems():  # the run changed prepare.py or the data
                         run.crash = Crash(f"the run changed the harness: {'; '.join(problems)}", Phase.AUDIT)
                         ws.restore_harness()
                     if touched := ws.touched(protected):  # put back as it was
-                        run.crash = Crash(f"the run touched what it may not (restored): {', '.join(touched[:5])}",
-                                          Phase.AUDIT)
+                        run.crash = Crash(
+                            f"the run touched what it may not (restored): {', '.join(touched[:5])}", Phase.AUDIT
+                        )
                     if run.crash:
                         free.append(run.slot)
             busy = [r for r in runs if not r.done]
             young = time.monotonic() - born < REFILL_BEFORE * ws.settings.budget
-            while free and busy and young and state.best_group and \
-                    (remaining is None or next_n - state.done <= remaining):
-                start(ws, executor, state, parent_run(state, "slot freed early"), free.pop(0), next_n,
-                      ideas.proposer.name, runs)
+            while (
+                free and busy and young and state.best_group and (remaining is None or next_n - state.done <= remaining)
+            ):
+                start(
+                    ws,
+                    executor,
+                    state,
+                    parent_run(state, "slot freed early"),
+                    free.pop(0),
+                    next_n,
+                    ideas.proposer.name,
+                    runs,
+                )
                 next_n += 1
                 free += [r.slot for r in runs[-1:] if r.done]
             if all(r.done for r in runs):
                 break
             progress.update(progress_text(ws, state, runs))
-            write_status(ws.paths, phase="training", running=[
-                {"n": r.record.n, "slot": r.slot.index, "description": r.record.description,
-                 "started": r.record.started} for r in runs if not r.done])
-            wait_any([r.handle for r in runs if not r.done and r.handle], poll_s=0.05, until=time.monotonic() + PROGRESS_TICK_S)
+            write_status(
+                ws.paths,
+                phase="training",
+                running=[
+                    {
+                        "n": r.record.n,
+                        "slot": r.slot.index,
+                        "description": r.record.description,
+                        "started": r.record.started,
+                    }
+                    for r in runs
+                    if not r.done
+                ],
+            )
+            wait_any(
+                [r.handle for r in runs if not r.done and r.handle],
+                poll_s=0.05,
+                until=time.monotonic() + PROGRESS_TICK_S,
+            )
     except BaseException:  # Ctrl-C, SIGTERM, LoopError, a bug: nothing this generation started may outlive it
         stop_runs(runs)
         raise
@@ -278,34 +359,44 @@ def infra_retry(ws: Workspace, executor: Executor, record: Record, result: JobRe
     failures = record.info.setdefault("infra_failures", [])
     failures.append(result.infra_error)
     if len(failures) > MAX_INFRA_RETRIES:
-        raise LoopError(f"the {executor.name} executor failed {len(failures)} times running experiment "
-                        f"{record.n} (last: {result.infra_error}); check the executor (cluster, GPUs), then run "
-                        "the same command to resume")
-    ws.echo(f"autoloop: #{record.n}: the executor failed ({result.infra_error}); not the idea's fault, "
-            f"running it again ({len(failures)}/{MAX_INFRA_RETRIES})")
+        raise LoopError(
+            f"the {executor.name} executor failed {len(failures)} times running experiment "
+            f"{record.n} (last: {result.infra_error}); check the executor (cluster, GPUs), then run "
+            "the same command to resume"
+        )
+    ws.echo(
+        f"autoloop: #{record.n}: the executor failed ({result.infra_error}); not the idea's fault, "
+        f"running it again ({len(failures)}/{MAX_INFRA_RETRIES})"
+    )
 
 
-def measure_safely(ws: Workspace, record: Record, result: JobResult, job: Job, startup: float | None,
-                   audit: bool) -> Crash | None:
+def measure_safely(
+    ws: Workspace, record: Record, result: JobResult, job: Job, startup: float | None, audit: bool
+) -> Crash | None:
     """measure(), where anything unreadable a run left is its crash, never an exception out of the loop (which
     a resume would meet again: a poison pill)."""
     try:
         return measure(ws, record, result, job, startup, audit)
     except Exception as e:  # noqa: BLE001
-        return Crash(f"what the run left could not be read: {type(e).__name__}: {redaction.line(str(e), 200)}",
-                     Phase.EVALUATE)
+        return Crash(
+            f"what the run left could not be read: {type(e).__name__}: {redaction.line(str(e), 200)}", Phase.EVALUATE
+        )
 
 
 def learned_startup(state: State, budget: float) -> float | None:
     """Seconds the session's baseline runs needed beyond the budget (start-up, compilation, saving): the
     allowance the clock audit gives every edit (None until the baseline has run)."""
-    walls = [r.timings["train"] for r in state.records
-             if state.baseline_group and group_of(r) == state.baseline_group and counts(r) and "train" in r.timings]
+    walls = [
+        r.timings["train"]
+        for r in state.records
+        if state.baseline_group and group_of(r) == state.baseline_group and counts(r) and "train" in r.timings
+    ]
     return max(0.0, max(walls) - budget) if walls else None
 
 
-def measure(ws: Workspace, record: Record, result: JobResult, job: Job, startup: float | None = None,
-            audit: bool = True) -> Crash | None:
+def measure(
+    ws: Workspace, record: Record, result: JobResult, job: Job, startup: float | None = None, audit: bool = True
+) -> Crash | None:
     """Read what the run left (its summary, the harness's measurement, the clock) into the record; returns why
     it is a crash, or None. The number that counts is the harness's, never the one train.py printed."""
     s = ws.settings
@@ -325,25 +416,37 @@ def measure(ws: Workspace, record: Record, result: JobResult, job: Job, startup:
     if train_step.exit_code != 0:
         line = last_error_line(log_text)
         if ws.sandbox is not None and "Read-only file system" in log_text:
-            return Crash(f"exit code {train_step.exit_code}: the sandbox refused a write outside the run's "
-                         f"directory ({line})", Phase.TRAIN)
+            return Crash(
+                f"exit code {train_step.exit_code}: the sandbox refused a write outside the run's directory ({line})",
+                Phase.TRAIN,
+            )
         blamed = environment_error(log_text)
-        return Crash(f"exit code {train_step.exit_code}: {blamed or line}".rstrip(": "),
-                     Phase.TRAIN, Cause.ENVIRONMENT if blamed else Cause.IDEA)
+        return Crash(
+            f"exit code {train_step.exit_code}: {blamed or line}".rstrip(": "),
+            Phase.TRAIN,
+            Cause.ENVIRONMENT if blamed else Cause.IDEA,
+        )
     if result.modified:
         return Crash(f"the run modified {', '.join(result.modified)}", Phase.AUDIT)
     if "val_bpb" not in record.metrics:
         return Crash(f"no val_bpb in the summary: {last_error_line(log_text)}".rstrip(": "), Phase.TRAIN)
-    if audit and (why := audit_clock(record.metrics, s.budget, result.ages.get("model.pt"), s.startup_allowance,
-                                     train_step.wall_s, startup)):
+    if audit and (
+        why := audit_clock(
+            record.metrics, s.budget, result.ages.get("model.pt"), s.startup_allowance, train_step.wall_s, startup
+        )
+    ):
         return Crash(why, Phase.AUDIT)
     if not ws.harness_info.artifacts:  # a harness without artifacts (e.g. upstream's): its printed number
         record.val_bpb = printed
-        return None if printed is not None else \
-            Crash(f"val_bpb is not finite ({record.metrics['val_bpb']})", Phase.EVALUATE)
+        return (
+            None
+            if printed is not None
+            else Crash(f"val_bpb is not finite ({record.metrics['val_bpb']})", Phase.EVALUATE)
+        )
     if "model.pt" not in result.ages:
-        return Crash("train.py did not call prepare.evaluate_bpb: no model was saved for the harness to measure",
-                     Phase.AUDIT)
+        return Crash(
+            "train.py did not call prepare.evaluate_bpb: no model was saved for the harness to measure", Phase.AUDIT
+        )
     if len(result.steps) < 2:
         return Crash("the harness evaluation did not run", Phase.EVALUATE)
     eval_step = result.steps[1]
@@ -376,8 +479,9 @@ def progress_text(ws: Workspace, state: State, runs: list[Run]) -> str:
         if (step := last_step(ws.paths.run_dir(run.record.n) / "run.log")) is not None:
             parts.append(f"step {step[0]} ({step[1]:.0f}%) loss {step[2]:.4f}")
     else:
-        parts = [f"{len(running)} running"] + [f"#{r.record.n} {time.monotonic() - r.started:.0f}s/{s.budget:g}s"
-                                               for r in running[:8]]
+        parts = [f"{len(running)} running"] + [
+            f"#{r.record.n} {time.monotonic() - r.started:.0f}s/{s.budget:g}s" for r in running[:8]
+        ]
     if state.best_bpb is not None:
         parts.append(f"best {state.best_bpb:.6f}")
     finished = [r for r in state.records if r.ended]

@@ -7,30 +7,34 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import git
 import psutil
 
 from .. import LoopError
-from ..trust import confine, harness, redaction
-from ..store import gitops
-from ..executors import gpu
-from ..executors import Executor
-from .judge import row_of
-from ..store.ledger import Record, append_row, ensure_header, write_json_atomic, write_record
-from ..proposers.queue import Queue
+from ..executors import Executor, gpu
 from ..executors.runner import kill_tree
+from ..proposers.queue import Queue
+from ..store import gitops
+from ..store.ledger import Record, append_row, ensure_header, write_json_atomic, write_record
 from ..store.session import Paths, read_status, write_status
-from .settings import Settings
 from ..store.spend import Spend
+from ..trust import confine, harness, redaction
+from .judge import row_of
+from .settings import Settings
 from .state import State, load_records, replay
 
-
-SESSION_ENV = ("AUTOLOOP_TIME_BUDGET", "AUTOLOOP_SEED", "AUTOLOOP_PROFILE", "AUTOLOOP_DATASET", "AUTOLOOP_CACHE",
-               "AUTOLOOP_MANIFEST_DIGEST")
+SESSION_ENV = (
+    "AUTOLOOP_TIME_BUDGET",
+    "AUTOLOOP_SEED",
+    "AUTOLOOP_PROFILE",
+    "AUTOLOOP_DATASET",
+    "AUTOLOOP_CACHE",
+    "AUTOLOOP_MANIFEST_DIGEST",
+)
 
 
 class Workspace:
@@ -42,8 +46,9 @@ class Workspace:
         self.settings, self.echo = settings, echo
         self.paths = Paths(settings.repo, settings.tag)
         self.repo = gitops.open_repo(settings.repo)
-        self.env = harness.run_env(settings.budget, settings.seed, settings.profile, settings.dataset, settings.cache,
-                                   tuple(settings.pass_env))
+        self.env = harness.run_env(
+            settings.budget, settings.seed, settings.profile, settings.dataset, settings.cache, tuple(settings.pass_env)
+        )
         self.wt: git.Repo  # the session's worktree: set by open()
         self.info: harness.HarnessInfo | None = None
         self.prepare_sha = self.manifest_digest = ""
@@ -112,24 +117,36 @@ class Workspace:
                 raise LoopError(f"prepared data does not verify after prepare.py: {'; '.join(problems)}")
         if self.info.time_budget is not None and abs(self.info.time_budget - self.settings.budget) > 1e-9:
             fixed = float(self.info.time_budget)
-            self.echo(f"autoloop: note: this harness fixes its own budget ({fixed:g}s); --budget "
-                      f"{self.settings.budget:g} does not reach it, so runs are timed, audited and pinned at {fixed:g}s")
+            self.echo(
+                f"autoloop: note: this harness fixes its own budget ({fixed:g}s); --budget "
+                f"{self.settings.budget:g} does not reach it, so runs are timed, audited and pinned at {fixed:g}s"
+            )
             self.settings.budget = fixed  # the hard timeout, the clock audit, the ETA and the pin follow it
             self.env["AUTOLOOP_TIME_BUDGET"] = f"{fixed:g}"
         if not self.info.exported:
-            self.echo("autoloop: note: this prepare.py " + ("evaluates the model by importing train.py" if
-                      self.info.artifacts else "has no harness evaluation (train.py's printed val_bpb is read)") +
-                      ": its metric is not protected against an edit that games it (README: threat model); "
-                      "autoloop's prepare.py evaluates an exported graph without running train.py's code")
+            self.echo(
+                "autoloop: note: this prepare.py "
+                + (
+                    "evaluates the model by importing train.py"
+                    if self.info.artifacts
+                    else "has no harness evaluation (train.py's printed val_bpb is read)"
+                )
+                + ": its metric is not protected against an edit that games it (README: threat model); "
+                "autoloop's prepare.py evaluates an exported graph without running train.py's code"
+            )
         if self.info.artifacts and not self.info.result_file:
-            self.echo("autoloop: note: this prepare.py predates the evaluation's result file: the metric is read from "
-                      "its output, which an edit could forge; update prepare.py from autoloop's")
+            self.echo(
+                "autoloop: note: this prepare.py predates the evaluation's result file: the metric is read from "
+                "its output, which an edit could forge; update prepare.py from autoloop's"
+            )
         if self.info.profile == "gpu" and self.info.dataset == "pystdlib" and self.info.smoke_warning:
             self.echo(f"autoloop: {self.info.smoke_warning}")
         if self.info.manifest is not None and harness.scored_on_readable_sources(self.info.manifest):
-            self.echo(f"autoloop: note: the {self.info.dataset} corpus was split without test suites to score on, "
-                      "so a run can read the sources of its validation split and train on them (README: threat "
-                      "model); install this Python's test suite and run prepare.py --force, or use --dataset DIR")
+            self.echo(
+                f"autoloop: note: the {self.info.dataset} corpus was split without test suites to score on, "
+                "so a run can read the sources of its validation split and train on them (README: threat "
+                "model); install this Python's test suite and run prepare.py --force, or use --dataset DIR"
+            )
         self.prepare_sha = harness.sha256_file(pinned) if pinned.exists() else ""
         if self.info.manifest is not None:  # the evaluation refuses data that differs from what was pinned
             self.manifest_digest = self.env["AUTOLOOP_MANIFEST_DIGEST"] = harness.manifest_digest(self.info.manifest)
@@ -152,10 +169,15 @@ class Workspace:
     def pin(self) -> dict:
         """Everything that changes what a val_bpb means: a session resumes only with all of it unchanged."""
         gate = self.settings.gate
-        return {"budget": self.settings.budget, "profile": self.profile,
-                "dataset": (self.info.dataset if self.info else None) or self.settings.dataset,
-                "seed": self.settings.seed, "gate": f"{gate.mode} alpha {gate.alpha:g} looks {gate.max_repeats} min {gate.min_delta:g}",
-                "manifest_digest": self.manifest_digest, "prepare_sha256": self.prepare_sha}
+        return {
+            "budget": self.settings.budget,
+            "profile": self.profile,
+            "dataset": (self.info.dataset if self.info else None) or self.settings.dataset,
+            "seed": self.settings.seed,
+            "gate": f"{gate.mode} alpha {gate.alpha:g} looks {gate.max_repeats} min {gate.min_delta:g}",
+            "manifest_digest": self.manifest_digest,
+            "prepare_sha256": self.prepare_sha,
+        }
 
     def differences(self, pinned: dict) -> list[str]:
         """How this run differs from the session as pinned (session.json): settings, data, a new train.py."""
@@ -169,12 +191,16 @@ class Workspace:
                     out.append(f"{what} differs from the session's")
                 else:
                     unit = "s" if key == "budget" else ""
-                    out.append(f"{key} {old:g}{unit} (now {new:g}{unit})" if key == "budget"
-                               else f"{key} {old} (now {new})")
+                    out.append(
+                        f"{key} {old:g}{unit} (now {new:g}{unit})" if key == "budget" else f"{key} {old} (now {new})"
+                    )
         start, head = pinned["start_commit"], self.repo.head.commit.hexsha
         if head != start:
-            moved = [f for f in ("train.py", "prepare.py") if gitops.blob_sha(self.repo, start, f) !=
-                     gitops.blob_sha(self.repo, head, f)]
+            moved = [
+                f
+                for f in ("train.py", "prepare.py")
+                if gitops.blob_sha(self.repo, start, f) != gitops.blob_sha(self.repo, head, f)
+            ]
             if moved:
                 out.append(f"{' and '.join(moved)} changed since the session started (HEAD {start[:7]} -> {head[:7]})")
         return out
@@ -189,8 +215,10 @@ class Workspace:
             if changes := self.differences(pinned):
                 if load_records(self.paths):
                     raise SessionChanged(self.settings.tag, changes)
-                self.echo(f"autoloop: session {self.settings.tag} recorded nothing yet; it starts again from HEAD "
-                          f"with these settings ({'; '.join(changes)})")
+                self.echo(
+                    f"autoloop: session {self.settings.tag} recorded nothing yet; it starts again from HEAD "
+                    f"with these settings ({'; '.join(changes)})"
+                )
                 session.unlink()
                 gitops.reset_to(self.wt, self.repo.head.commit.hexsha)
         if session.exists():
@@ -198,10 +226,19 @@ class Workspace:
         else:
             start_commit = self.wt.head.commit.hexsha
             env = {k: v for k, v in self.env.items() if k in SESSION_ENV}  # what `autoloop report` evaluates with
-            write_json_atomic(session, {"start_commit": start_commit, "tag": self.settings.tag,
-                                        "prepare_sha256": self.prepare_sha, "manifest_digest": self.manifest_digest,
-                                        "pin": self.pin(), "env": env,
-                                        "artifacts": bool(self.info and self.info.artifacts), "created": time.time()})
+            write_json_atomic(
+                session,
+                {
+                    "start_commit": start_commit,
+                    "tag": self.settings.tag,
+                    "prepare_sha256": self.prepare_sha,
+                    "manifest_digest": self.manifest_digest,
+                    "pin": self.pin(),
+                    "env": env,
+                    "artifacts": bool(self.info and self.info.artifacts),
+                    "created": time.time(),
+                },
+            )
         state = replay(load_records(self.paths), start_commit)
         if not self.paths.spend.exists():  # a session from before the spend ledger: what its records carry
             tokens, cost = state.usage()
@@ -235,11 +272,14 @@ class Workspace:
         was going (e.g. after one that changed it was already judged) is said, not blamed on the next run."""
         guard = gitops.guard_of(self.repo)
         if stray := guard.check() + guard.drain():
-            self.echo(f"autoloop: note: put back what was changed in git between runs: "
-                      f"{', '.join(self._named(stray))}")
+            self.echo(f"autoloop: note: put back what was changed in git between runs: {', '.join(self._named(stray))}")
         guard.snapshot()
-        paths = [self.paths.ledger, self.paths.session, self.paths.queue,
-                 *(self.paths.run_dir(r.n) / "record.json" for r in state.records)]
+        paths = [
+            self.paths.ledger,
+            self.paths.session,
+            self.paths.queue,
+            *(self.paths.run_dir(r.n) / "record.json" for r in state.records),
+        ]
         return Protected({path: _read(path) for path in paths}, gitops.refs(self.repo))
 
     def touched(self, before: Protected) -> list[str]:
@@ -269,15 +309,20 @@ class Workspace:
         moved = []
         for name in sorted({*before, *now}):
             expected = (written[name], "") if name in written else before.get(name)
-            others = name.startswith(("refs/autoloop/", "refs/heads/autoloop/")) and not (
-                name.startswith(ours[0]) or name == ours[1]) or name in self._users_refs()
+            others = (
+                name.startswith(("refs/autoloop/", "refs/heads/autoloop/"))
+                and not (name.startswith(ours[0]) or name == ours[1])
+                or name in self._users_refs()
+            )
             if now.get(name) != expected and not others:
                 try:
                     gitops.restore_ref(self.repo, name, expected)
                 except git.GitCommandError as e:  # e.g. a lock file planted next to it
-                    raise LoopError(f"a run changed the ref {name} and it could not be put back "
-                                    f"({' '.join(str(e.stderr).split())[:200]}); restore it (git update-ref), "
-                                    "then run the same command to resume") from None
+                    raise LoopError(
+                        f"a run changed the ref {name} and it could not be put back "
+                        f"({' '.join(str(e.stderr).split())[:200]}); restore it (git update-ref), "
+                        "then run the same command to resume"
+                    ) from None
                 moved.append(name)
         return moved
 
@@ -303,16 +348,25 @@ class Workspace:
         try:
             gitops.reset_to(self.wt, self.wt.head.commit.hexsha)
         except Exception as e:  # noqa: BLE001 - git failing here is the end of the night, said clearly
-            raise LoopError(f"a run changed the pinned harness and it could not be restored ({e}); restore "
-                            f"{self.paths.worktree} (git -C {self.paths.worktree} reset --hard), then run the same "
-                            "command to resume") from None
-        if self.info and self.info.manifest is not None and (
+            raise LoopError(
+                f"a run changed the pinned harness and it could not be restored ({e}); restore "
+                f"{self.paths.worktree} (git -C {self.paths.worktree} reset --hard), then run the same "
+                "command to resume"
+            ) from None
+        if (
+            self.info
+            and self.info.manifest is not None
+            and (
                 harness.verify(self.info.manifest)
-                or harness.manifest_digest(self.info.manifest) != self.manifest_digest):
+                or harness.manifest_digest(self.info.manifest) != self.manifest_digest
+            )
+        ):
             harness.prepare(self.paths.worktree, self.env, self.echo, force=True)
         if problems := self.integrity_problems():
-            raise LoopError(f"the prepared harness does not verify after preparing it again ({'; '.join(problems)}); "
-                            "re-run `python prepare.py --force`, then the same autoloop command to resume")
+            raise LoopError(
+                f"the prepared harness does not verify after preparing it again ({'; '.join(problems)}); "
+                "re-run `python prepare.py --force`, then the same autoloop command to resume"
+            )
 
     def track_pid(self, slot: int | str, pid: int, created: float) -> None:
         with self._pids_lock:
@@ -344,8 +398,15 @@ class Workspace:
         spread = state.spread()
         with self._pids_lock:
             self.pids.pop(str(record.slot or 0), None)
-            write_status(self.paths, phase="idle", train_pid=None, train_pids=dict(self.pids), last=record.n,
-                         sigma=spread.sd, sigma_dof=spread.dof)
+            write_status(
+                self.paths,
+                phase="idle",
+                train_pid=None,
+                train_pids=dict(self.pids),
+                last=record.n,
+                sigma=spread.sd,
+                sigma_dof=spread.dof,
+            )
 
 
 def _read(path: Path) -> bytes | None:
@@ -367,9 +428,11 @@ class SessionChanged(LoopError):
     """The session under this tag was started with other settings, data or train.py."""
 
     def __init__(self, tag: str, differences: list[str]):
-        super().__init__(f"session {tag!r} was started with other settings: {'; '.join(differences)}. Its results "
-                         f"would not be comparable: run with the session's settings to resume it, or start a new "
-                         f"session (--tag {tag}-2, or leave out --tag to get a fresh one)")
+        super().__init__(
+            f"session {tag!r} was started with other settings: {'; '.join(differences)}. Its results "
+            f"would not be comparable: run with the session's settings to resume it, or start a new "
+            f"session (--tag {tag}-2, or leave out --tag to get a fresh one)"
+        )
         self.tag, self.differences = tag, differences
 
 

@@ -5,8 +5,21 @@ from __future__ import annotations
 from .base import OUT, PYTHON, Executor, Handle, Job, JobResult, Slot, StepResult, run_steps, wait_any
 from .local import LocalExecutor, detect_gpus
 
-__all__ = ["OUT", "PYTHON", "Executor", "Handle", "Job", "JobResult", "LocalExecutor", "Slot", "StepResult",
-           "detect_gpus", "make_executor", "run_steps", "wait_any"]
+__all__ = [
+    "OUT",
+    "PYTHON",
+    "Executor",
+    "Handle",
+    "Job",
+    "JobResult",
+    "LocalExecutor",
+    "Slot",
+    "StepResult",
+    "detect_gpus",
+    "make_executor",
+    "run_steps",
+    "wait_any",
+]
 
 
 def make_executor(name: str, workers: int | None = None, options: dict | None = None) -> Executor:

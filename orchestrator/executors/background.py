@@ -7,7 +7,7 @@ whatever it was waiting for (a run to be killed, an agent to stop) would then ou
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 
 class Background:

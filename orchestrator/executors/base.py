@@ -18,9 +18,9 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from ..trust.confine import gpu_devices, readable_paths, sandbox_problem, sandboxed
 from .gpu import smi
@@ -77,7 +77,9 @@ class JobResult:
 
     @property
     def ok(self) -> bool:
-        return bool(self.steps) and not self.interrupted and all(s.exit_code == 0 and not s.timed_out for s in self.steps)
+        return (
+            bool(self.steps) and not self.interrupted and all(s.exit_code == 0 and not s.timed_out for s in self.steps)
+        )
 
 
 @dataclass
@@ -118,7 +120,7 @@ class Executor:
     options: tuple = ()
 
     @classmethod
-    def create(cls, workers: int | None, options: dict) -> "Executor":
+    def create(cls, workers: int | None, options: dict) -> Executor:
         """The executor for `--workers` (None: its own default) and the values of its options."""
         return cls(workers=workers, **{k: v for k, v in options.items() if v is not None})
 
@@ -159,8 +161,9 @@ def git_link(workdir: Path) -> list[str]:
     return [str(workdir.resolve() / ".git")] if (workdir / ".git").exists() else []
 
 
-def run_steps(job: Job, workdir: Path, out: Path, slot_env: dict[str, str],
-              cancel: threading.Event | None = None) -> JobResult:
+def run_steps(
+    job: Job, workdir: Path, out: Path, slot_env: dict[str, str], cancel: threading.Event | None = None
+) -> JobResult:
     """Run the job's steps in workdir, logs and outputs to out; on the machine that does the work."""
     out.mkdir(parents=True, exist_ok=True)
     for name, src in job.inputs.items():
@@ -179,12 +182,18 @@ def run_steps(job: Job, workdir: Path, out: Path, slot_env: dict[str, str],
     if job.sandbox is not None:
         if problem := sandbox_problem():
             if job.sandbox.get("required"):
-                return JobResult(device=gpu_name(env.get("CUDA_VISIBLE_DEVICES")), node=socket.gethostname(),
-                                 infra_error=f"--sandbox on, but {problem} on {socket.gethostname()}")
+                return JobResult(
+                    device=gpu_name(env.get("CUDA_VISIBLE_DEVICES")),
+                    node=socket.gethostname(),
+                    infra_error=f"--sandbox on, but {problem} on {socket.gethostname()}",
+                )
         else:  # only the run's own directory, its worktree and the session's compile cache are writable
             writable = {out.resolve(), Path(workdir).resolve(), *(p.resolve() for p in scratch)}
-            confined = {"writable": [str(p) for p in writable], "net": bool(job.sandbox.get("net")),
-                        "read_only": [*substitute_all(job.read_only, out), *git_link(Path(workdir))]}
+            confined = {
+                "writable": [str(p) for p in writable],
+                "net": bool(job.sandbox.get("net")),
+                "read_only": [*substitute_all(job.read_only, out), *git_link(Path(workdir))],
+            }
     result = JobResult(device=gpu_name(env.get("CUDA_VISIBLE_DEVICES")), node=socket.gethostname())
     before = {name: sha256_of(workdir / name) for name in job.watch}
     first_start = None
@@ -200,12 +209,24 @@ def run_steps(job: Job, workdir: Path, out: Path, slot_env: dict[str, str],
         argv = [substitute(a, out, sys.executable) for a in cmd]
         if confined is not None:
             hidden = job.step_hidden[i] if i < len(job.step_hidden) else ()
-            argv = sandboxed(argv, **confined, hidden=substitute_all(hidden, out),
-                             readable=[*readable_paths(step_env), *substitute_all(job.readable, out)],
-                             devices=gpu_devices(step_env.get("CUDA_VISIBLE_DEVICES")))
-        run = run_command(argv, workdir, step_env, out / log,
-                          job.timeout_s, on_start=job.on_start, cancel=cancel, log_cap=job.log_cap,
-                          stdin_text=job.step_stdin[i] if i < len(job.step_stdin) else None)
+            argv = sandboxed(
+                argv,
+                **confined,
+                hidden=substitute_all(hidden, out),
+                readable=[*readable_paths(step_env), *substitute_all(job.readable, out)],
+                devices=gpu_devices(step_env.get("CUDA_VISIBLE_DEVICES")),
+            )
+        run = run_command(
+            argv,
+            workdir,
+            step_env,
+            out / log,
+            job.timeout_s,
+            on_start=job.on_start,
+            cancel=cancel,
+            log_cap=job.log_cap,
+            stdin_text=job.step_stdin[i] if i < len(job.step_stdin) else None,
+        )
         result.steps.append(StepResult(run.exit_code, run.timed_out, run.wall_s, out / log))
         if run.interrupted:
             result.interrupted = True

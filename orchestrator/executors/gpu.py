@@ -34,16 +34,18 @@ class Driver:
 
 def parse_list(text: str) -> list[str]:
     """GPU names from `nvidia-smi -L` ("GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-...)"); MIG lines are skipped."""
-    return [m.group(1).strip() for line in text.splitlines()
-            if (m := re.match(r"GPU \d+: (.*?)\s*(?:\(UUID: [^)]*\))?\s*$", line))]
+    return [
+        m.group(1).strip()
+        for line in text.splitlines()
+        if (m := re.match(r"GPU \d+: (.*?)\s*(?:\(UUID: [^)]*\))?\s*$", line))
+    ]
 
 
 def parse_header(text: str) -> tuple[str | None, tuple[int, int] | None]:
     """Driver version and CUDA version from plain `nvidia-smi` ("Driver Version: 535.104.05   CUDA Version: 12.2")."""
     version = re.search(r"Driver Version:\s*(\d[\d.]*)", text)
     cuda = re.search(r"CUDA Version:\s*(\d+)\.(\d+)", text)
-    return (version.group(1) if version else None,
-            (int(cuda.group(1)), int(cuda.group(2))) if cuda else None)
+    return (version.group(1) if version else None, (int(cuda.group(1)), int(cuda.group(2))) if cuda else None)
 
 
 def smi(args: list[str], timeout: float = SMI_TIMEOUT_S) -> str | None:
@@ -110,42 +112,59 @@ def driver_problem(driver: Driver, torch: dict | None, python: str, env: dict[st
     """Why torch cannot use the GPUs nvidia-smi lists, and the command that fixes it."""
     torch_version = torch.get("version") if torch else None
     built_for = _parse_cuda(torch.get("cuda") if torch else None)
-    supports = f", which supports CUDA up to {_cuda_str(driver.cuda)}" if driver.cuda else \
-        " (nvidia-smi does not say which CUDA version it supports)"
-    lines = [f"nvidia-smi lists {len(driver.gpus)} NVIDIA GPU{'s' if len(driver.gpus) > 1 else ''} "
-             f"({_gpu_names(driver.gpus)}), but torch cannot use CUDA: every experiment would run on the CPU.",
-             f"  driver: {driver.version}{supports}",
-             f"  torch:  {_torch_build(torch)} (python {python})"]
+    supports = (
+        f", which supports CUDA up to {_cuda_str(driver.cuda)}"
+        if driver.cuda
+        else " (nvidia-smi does not say which CUDA version it supports)"
+    )
+    lines = [
+        f"nvidia-smi lists {len(driver.gpus)} NVIDIA GPU{'s' if len(driver.gpus) > 1 else ''} "
+        f"({_gpu_names(driver.gpus)}), but torch cannot use CUDA: every experiment would run on the CPU.",
+        f"  driver: {driver.version}{supports}",
+        f"  torch:  {_torch_build(torch)} (python {python})",
+    ]
     index = wheel_index(driver.cuda) if driver.cuda else None
     if driver.cuda and index is None:
-        lines.append("This driver is too old for every PyTorch CUDA build (the oldest, cu118, needs CUDA 11.8): "
-                     "update the driver.")
+        lines.append(
+            "This driver is too old for every PyTorch CUDA build (the oldest, cu118, needs CUDA 11.8): "
+            "update the driver."
+        )
     elif driver.cuda is None:
-        lines.append("Install a torch build for a CUDA version this driver supports "
-                     "(https://pytorch.org/get-started/locally/), or update the driver.")
+        lines.append(
+            "Install a torch build for a CUDA version this driver supports "
+            "(https://pytorch.org/get-started/locally/), or update the driver."
+        )
     elif built_for is not None and built_for <= driver.cuda and not (torch or {}).get("hip"):
         visible = env.get("CUDA_VISIBLE_DEVICES")
-        lines.append("This torch build should run on this driver, so the wheel is not the problem: check "
-                     + (f"CUDA_VISIBLE_DEVICES={visible!r}, " if visible is not None else "")
-                     + "that this process may open /dev/nvidia* (in a container: --gpus all), and "
-                     + f"`{shlex.quote(python)} -c 'import torch; torch.cuda.init()'` for torch's own reason.")
+        lines.append(
+            "This torch build should run on this driver, so the wheel is not the problem: check "
+            + (f"CUDA_VISIBLE_DEVICES={visible!r}, " if visible is not None else "")
+            + "that this process may open /dev/nvidia* (in a container: --gpus all), and "
+            + f"`{shlex.quote(python)} -c 'import torch; torch.cuda.init()'` for torch's own reason."
+        )
     else:
         why = f" (the installed one needs CUDA {_cuda_str(built_for)})" if built_for and built_for > driver.cuda else ""
-        lines += [f"Install the build for CUDA {_cuda_str(max(v for v in CUDA_INDEXES if v <= driver.cuda))}, "
-                  f"the newest this driver runs{why}:",
-                  f"  {pip_command(python, torch_version, index)}",
-                  f"(if that index has no torch {torch_version.split('+')[0]}, leave out the version to get the "
-                  f"newest it has; or update the driver)" if torch_version else "(or update the driver)"]
+        lines += [
+            f"Install the build for CUDA {_cuda_str(max(v for v in CUDA_INDEXES if v <= driver.cuda))}, "
+            f"the newest this driver runs{why}:",
+            f"  {pip_command(python, torch_version, index)}",
+            f"(if that index has no torch {torch_version.split('+')[0]}, leave out the version to get the "
+            f"newest it has; or update the driver)"
+            if torch_version
+            else "(or update the driver)",
+        ]
     lines.append(ESCAPE)
     return "\n".join(lines)
 
 
 def profile_problem(driver: Driver | None, torch: dict | None, python: str) -> str:
     where = "nvidia-smi lists no NVIDIA GPU" if driver is None else f"driver {driver.version}"
-    return (f"the gpu profile (--profile gpu / AUTOLOOP_PROFILE=gpu) needs CUDA, but torch "
-            f"{_torch_build(torch)} (python {python}) cannot use it ({where}).\n"
-            "Leave out --profile (the harness picks cpu without CUDA) or choose --profile cpu; or set "
-            "AUTOLOOP_DEVICE=cpu to run the gpu profile's harness on the CPU on purpose (e.g. for a test).")
+    return (
+        f"the gpu profile (--profile gpu / AUTOLOOP_PROFILE=gpu) needs CUDA, but torch "
+        f"{_torch_build(torch)} (python {python}) cannot use it ({where}).\n"
+        "Leave out --profile (the harness picks cpu without CUDA) or choose --profile cpu; or set "
+        "AUTOLOOP_DEVICE=cpu to run the gpu profile's harness on the CPU on purpose (e.g. for a test)."
+    )
 
 
 def _device_chosen(env: dict[str, str]) -> bool:

@@ -12,8 +12,8 @@ import threading
 import click
 
 from .background import Background
-from .gpu import parse_list, smi
 from .base import Executor, Handle, Job, JobResult, Slot, run_steps
+from .gpu import parse_list, smi
 
 
 def detect_gpus() -> list[str]:
@@ -35,15 +35,22 @@ def local_slots(workers: int, gpus: list[str] | None) -> list[Slot]:
     """Slot i gets GPU group i (GPUs dealt out evenly), or 1/workers of the CPU cores when there is no GPU."""
     if gpus:
         if workers > len(gpus):
-            raise ValueError(f"--workers {workers} needs at least {workers} GPUs, {len(gpus)} given or detected "
-                             f"({','.join(gpus)}); lower --workers or list more with --gpus")
+            raise ValueError(
+                f"--workers {workers} needs at least {workers} GPUs, {len(gpus)} given or detected "
+                f"({','.join(gpus)}); lower --workers or list more with --gpus"
+            )
         per = len(gpus) // workers
-        return [Slot(i, {"CUDA_VISIBLE_DEVICES": ",".join(gpus[i * per:(i + 1) * per])},
-                     f"gpu {','.join(gpus[i * per:(i + 1) * per])}") for i in range(workers)]
+        return [
+            Slot(
+                i,
+                {"CUDA_VISIBLE_DEVICES": ",".join(gpus[i * per : (i + 1) * per])},
+                f"gpu {','.join(gpus[i * per : (i + 1) * per])}",
+            )
+            for i in range(workers)
+        ]
     threads = str(max(1, cpu_count() // workers))
     env = {"CUDA_VISIBLE_DEVICES": ""} if workers > 1 else {}
-    return [Slot(i, {**env, "OMP_NUM_THREADS": threads} if workers > 1 else dict(env), "cpu")
-            for i in range(workers)]
+    return [Slot(i, {**env, "OMP_NUM_THREADS": threads} if workers > 1 else dict(env), "cpu") for i in range(workers)]
 
 
 class LocalHandle(Handle):
@@ -90,12 +97,18 @@ def check_gpus(ctx, param, value):
 
 class LocalExecutor(Executor):
     name = "local"
-    options = (click.Option(["--gpus"], callback=check_gpus, envvar="AUTOLOOP_GPUS", show_envvar=True,
-                            help="GPU ids for the local executor, e.g. 0,1,2,3; '' for CPU slots.  [default: "
-                                 "detected]"),)
+    options = (
+        click.Option(
+            ["--gpus"],
+            callback=check_gpus,
+            envvar="AUTOLOOP_GPUS",
+            show_envvar=True,
+            help="GPU ids for the local executor, e.g. 0,1,2,3; '' for CPU slots.  [default: detected]",
+        ),
+    )
 
     @classmethod
-    def create(cls, workers: int | None, options: dict) -> "LocalExecutor":
+    def create(cls, workers: int | None, options: dict) -> LocalExecutor:
         gpus = options.get("gpus")
         detected = detect_gpus() if gpus is None else gpus
         return cls(workers or max(1, len(detected)), gpus if gpus is not None else detected or None)

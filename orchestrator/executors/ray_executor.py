@@ -39,8 +39,9 @@ def _import_ray():
     try:
         import ray
     except ImportError:
-        raise ImportError('the ray executor needs Ray: '
-                          'pip install "autoloop-ml[ray]" (in a clone: pip install -e ".[ray]")') from None
+        raise ImportError(
+            'the ray executor needs Ray: pip install "autoloop-ml[ray]" (in a clone: pip install -e ".[ray]")'
+        ) from None
     return ray
 
 
@@ -98,14 +99,30 @@ def _node_job(spec: dict, files: dict[str, bytes], inputs: dict[str, bytes], sta
         env = {**allowed_env(), **spec["env"], "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "")}
         if spec["prepare"] and (src / "prepare.py").exists() and (error := prepare_data(src, out, env)):
             return {"infra_error": error, "outputs": {"prepare.log": (out / "prepare.log").read_bytes()}}
-        job = Job(steps=spec["steps"], logs=spec["logs"], env=env, timeout_s=spec["timeout_s"],
-                  workdir=src, out_dir=out, watch=tuple(spec["watch"]), step_env=spec["step_env"],
-                  log_cap=spec["log_cap"], step_stdin=spec["step_stdin"], sandbox=spec["sandbox"])
+        job = Job(
+            steps=spec["steps"],
+            logs=spec["logs"],
+            env=env,
+            timeout_s=spec["timeout_s"],
+            workdir=src,
+            out_dir=out,
+            watch=tuple(spec["watch"]),
+            step_env=spec["step_env"],
+            log_cap=spec["log_cap"],
+            step_stdin=spec["step_stdin"],
+            sandbox=spec["sandbox"],
+        )
         result = run_steps(job, src, out, {})
-        return {"steps": [(s.exit_code, s.timed_out, s.wall_s, s.log.name) for s in result.steps],
-                "modified": result.modified, "ages": result.ages, "device": result.device, "node": result.node,
-                "interrupted": result.interrupted, "visible": env["CUDA_VISIBLE_DEVICES"],
-                "outputs": {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}}
+        return {
+            "steps": [(s.exit_code, s.timed_out, s.wall_s, s.log.name) for s in result.steps],
+            "modified": result.modified,
+            "ages": result.ages,
+            "device": result.device,
+            "node": result.node,
+            "interrupted": result.interrupted,
+            "visible": env["CUDA_VISIBLE_DEVICES"],
+            "outputs": {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()},
+        }
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -119,7 +136,7 @@ def tracked_files(workdir: Path) -> dict[str, bytes]:
 
 
 class RayHandle(Handle):
-    def __init__(self, executor: "RayExecutor", ref, job: Job, slot: Slot, key: str):
+    def __init__(self, executor: RayExecutor, ref, job: Job, slot: Slot, key: str):
         self._ex, self._ray, self._ref, self._job, self._slot, self._key = executor, executor.ray, ref, job, slot, key
         self._result: JobResult | None = None
         timeout = executor.schedule_timeout
@@ -153,9 +170,11 @@ class RayHandle(Handle):
         self.cancel()
         ex = self._ex
         needs = f"{ex.gpus_per_task:g} GPU" if ex.gpus_per_task else f"{ex.cpus_per_task} CPU"
-        self._result = JobResult(infra_error=f"the Ray task did not start within {ex.schedule_timeout:g}s (no alive "
-                                             f"node with {needs} free; --ray-schedule-timeout): cancelled",
-                                 slot=self._slot.index)
+        self._result = JobResult(
+            infra_error=f"the Ray task did not start within {ex.schedule_timeout:g}s (no alive "
+            f"node with {needs} free; --ray-schedule-timeout): cancelled",
+            slot=self._slot.index,
+        )
         return True
 
     def result(self, timeout: float | None = None) -> JobResult:
@@ -178,13 +197,19 @@ class RayHandle(Handle):
         for name, blob in data["outputs"].items():
             (out / name).write_bytes(blob)
         if data.get("infra_error"):
-            self._result = JobResult(infra_error=f"{data['infra_error']}; see {out / 'prepare.log'}",
-                                     slot=self._slot.index)
+            self._result = JobResult(
+                infra_error=f"{data['infra_error']}; see {out / 'prepare.log'}", slot=self._slot.index
+            )
             return self._result
         self._result = JobResult(
             steps=[StepResult(code, timed_out, wall, out / log) for code, timed_out, wall, log in data["steps"]],
-            modified=data["modified"], ages=data["ages"], device=data["device"], node=data["node"],
-            slot=self._slot.index, interrupted=data["interrupted"])
+            modified=data["modified"],
+            ages=data["ages"],
+            device=data["device"],
+            node=data["node"],
+            slot=self._slot.index,
+            interrupted=data["interrupted"],
+        )
         return self._result
 
     def cancel(self) -> None:
@@ -202,22 +227,39 @@ class RayHandle(Handle):
 
 class RayExecutor(Executor):
     name = "ray"
-    options = (click.Option(["--ray-address"], envvar="AUTOLOOP_RAY_ADDRESS", show_envvar=True,
-                            help="Ray cluster to join, e.g. ray://head:10001 or auto.  [default: RAY_ADDRESS, else "
-                                 "a local Ray]"),
-               click.Option(["--ray-schedule-timeout"], type=click.FloatRange(min=0),
-                            envvar="AUTOLOOP_RAY_SCHEDULE_TIMEOUT", show_envvar=True,
-                            help="Seconds a Ray task may wait for a node with a free GPU before it is cancelled and "
-                                 "run again (an executor failure); 0: wait forever.  "
-                                 f"[default: {SCHEDULE_TIMEOUT_S:g}]"))
+    options = (
+        click.Option(
+            ["--ray-address"],
+            envvar="AUTOLOOP_RAY_ADDRESS",
+            show_envvar=True,
+            help="Ray cluster to join, e.g. ray://head:10001 or auto.  [default: RAY_ADDRESS, else a local Ray]",
+        ),
+        click.Option(
+            ["--ray-schedule-timeout"],
+            type=click.FloatRange(min=0),
+            envvar="AUTOLOOP_RAY_SCHEDULE_TIMEOUT",
+            show_envvar=True,
+            help="Seconds a Ray task may wait for a node with a free GPU before it is cancelled and "
+            "run again (an executor failure); 0: wait forever.  "
+            f"[default: {SCHEDULE_TIMEOUT_S:g}]",
+        ),
+    )
 
     @classmethod
-    def create(cls, workers: int | None, options: dict) -> "RayExecutor":
-        return cls(address=options.get("ray_address"), workers=workers,
-                   schedule_timeout=options.get("ray_schedule_timeout"))
+    def create(cls, workers: int | None, options: dict) -> RayExecutor:
+        return cls(
+            address=options.get("ray_address"), workers=workers, schedule_timeout=options.get("ray_schedule_timeout")
+        )
 
-    def __init__(self, address: str | None = None, workers: int | None = None, gpus_per_task: float | None = None,
-                 prepare: bool = True, init_kwargs: dict | None = None, schedule_timeout: float | None = None):
+    def __init__(
+        self,
+        address: str | None = None,
+        workers: int | None = None,
+        gpus_per_task: float | None = None,
+        prepare: bool = True,
+        init_kwargs: dict | None = None,
+        schedule_timeout: float | None = None,
+    ):
         ray = self.ray = _import_ray()
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
@@ -235,8 +277,9 @@ class RayExecutor(Executor):
         self.gpus_per_task = gpus_per_task
         # each run gets its GPU's share of its node's cores (data loading, OMP threads), at least one
         gpu_nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive") and n["Resources"].get("GPU")]
-        self.cpus_per_task = max(1, min((int(r.get("CPU", 1) // r["GPU"]) for r in gpu_nodes), default=1)) \
-            if self.gpus_per_task else 1
+        self.cpus_per_task = (
+            max(1, min((int(r.get("CPU", 1) // r["GPU"]) for r in gpu_nodes), default=1)) if self.gpus_per_task else 1
+        )
         self._workers, self._live = workers, 1
         self.prepare = prepare
         self.schedule_timeout = SCHEDULE_TIMEOUT_S if schedule_timeout is None else schedule_timeout
@@ -262,16 +305,34 @@ class RayExecutor(Executor):
         return [Slot(i, {}, "ray") for i in range(self._workers or self._live)]
 
     def submit(self, job: Job, slot: Slot) -> Handle:
-        env = {k: v for k, v in job.env.items()
-               if (k.startswith("AUTOLOOP_") or k in SHIPPED_ENV) and k not in job.local_only}
+        env = {
+            k: v
+            for k, v in job.env.items()
+            if (k.startswith("AUTOLOOP_") or k in SHIPPED_ENV) and k not in job.local_only
+        }
         # the run's own TMPDIR and kernel caches, in its scratch directory on the node (HOME stays the node's)
-        env.update({k: v.replace("/../../cache/", "/cache/") for k, v in job.env.items()
-                    if k in SCRATCH_DIRS and k != "HOME" and OUT in v})
+        env.update(
+            {
+                k: v.replace("/../../cache/", "/cache/")
+                for k, v in job.env.items()
+                if k in SCRATCH_DIRS and k != "HOME" and OUT in v
+            }
+        )
         env.update({k: v for k, v in slot.env.items() if k != "CUDA_VISIBLE_DEVICES"})
         key = uuid.uuid4().hex
-        spec = {"steps": job.steps, "logs": job.logs, "env": env, "timeout_s": job.timeout_s, "key": key,
-                "watch": list(job.watch), "step_env": job.step_env, "prepare": self.prepare, "log_cap": job.log_cap,
-                "step_stdin": job.step_stdin, "sandbox": job.sandbox}
+        spec = {
+            "steps": job.steps,
+            "logs": job.logs,
+            "env": env,
+            "timeout_s": job.timeout_s,
+            "key": key,
+            "watch": list(job.watch),
+            "step_env": job.step_env,
+            "prepare": self.prepare,
+            "log_cap": job.log_cap,
+            "step_stdin": job.step_stdin,
+            "sandbox": job.sandbox,
+        }
         inputs = {name: Path(path).read_bytes() for name, path in job.inputs.items()}
         options = {"num_gpus": self.gpus_per_task, "num_cpus": self.cpus_per_task}
         ref = self._task.options(**options).remote(spec, tracked_files(job.workdir), inputs, self.starts)

@@ -19,13 +19,13 @@ from pathlib import Path
 import click
 
 from .. import LoopError
-from ..trust.confine import allowed_env
-from ..store.ledger import Record
-from .prompt import DEFAULT_PROMPT_CHARS, PROMPT_OPTIONS, build_prompt, read_program
 from ..executors.runner import run_command
+from ..store.ledger import Record
 from ..store.session import Paths
+from ..trust.confine import allowed_env
 from ..trust.summary import last_error_line
 from .base import Context, Proposal, ProposalFailed, Proposer
+from .prompt import DEFAULT_PROMPT_CHARS, PROMPT_OPTIONS, build_prompt, read_program
 
 # Placeholders are replaced only when they are a whole argument: the prompt is never parsed by a shell and other
 # braces stay literal. {prompt} is the prompt text, {prompt_file} a file holding it, {workdir} the directory the
@@ -44,24 +44,68 @@ PRESETS = {
     # --yes-always answers every question, so everything that asks is switched off: analytics opt-in, the
     # self-upgrade (which exits), release notes and URLs (a browser), shell commands, lint and test fix-up rounds;
     # the histories go to /dev/null instead of .aider* files in the worktree.
-    "aider": ["aider", "--message-file", "{prompt_file}", "--yes-always", "--no-git", "--no-gitignore",
-              "--no-auto-commits", "--no-show-model-warnings", "--no-analytics", "--no-check-update",
-              "--no-show-release-notes", "--no-detect-urls", "--no-suggest-shell-commands", "--no-auto-lint",
-              "--no-auto-test", "--no-pretty", "--no-stream", "--no-fancy-input", "--map-tokens", "0",
-              "--disable-playwright", "--chat-history-file", os.devnull, "--input-history-file", os.devnull,
-              "train.py"],
+    "aider": [
+        "aider",
+        "--message-file",
+        "{prompt_file}",
+        "--yes-always",
+        "--no-git",
+        "--no-gitignore",
+        "--no-auto-commits",
+        "--no-show-model-warnings",
+        "--no-analytics",
+        "--no-check-update",
+        "--no-show-release-notes",
+        "--no-detect-urls",
+        "--no-suggest-shell-commands",
+        "--no-auto-lint",
+        "--no-auto-test",
+        "--no-pretty",
+        "--no-stream",
+        "--no-fancy-input",
+        "--map-tokens",
+        "0",
+        "--disable-playwright",
+        "--chat-history-file",
+        os.devnull,
+        "--input-history-file",
+        os.devnull,
+        "train.py",
+    ],
     "gemini": ["gemini", "--yolo", "-p", "{prompt}"],
     "opencode": ["opencode", "run", "{prompt}"],
 }
 # What each preset's CLI needs of our environment besides the allow-list (confine.py): its own key and endpoint.
 PRESET_ENV = {
-    "claude": ("ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN", "ANTHROPIC_BASE_URL", "ANTHROPIC_MODEL",
-               "CLAUDE_CODE_OAUTH_TOKEN", "CLAUDE_CONFIG_DIR", "CLAUDE_CODE_USE_BEDROCK", "CLAUDE_CODE_USE_VERTEX"),
+    "claude": (
+        "ANTHROPIC_API_KEY",
+        "ANTHROPIC_AUTH_TOKEN",
+        "ANTHROPIC_BASE_URL",
+        "ANTHROPIC_MODEL",
+        "CLAUDE_CODE_OAUTH_TOKEN",
+        "CLAUDE_CONFIG_DIR",
+        "CLAUDE_CODE_USE_BEDROCK",
+        "CLAUDE_CODE_USE_VERTEX",
+    ),
     "codex": ("OPENAI_API_KEY", "OPENAI_BASE_URL", "CODEX_HOME"),
-    "aider": ("AIDER_*", "OPENAI_API_KEY", "OPENAI_API_BASE", "ANTHROPIC_API_KEY", "GEMINI_API_KEY",
-              "OPENROUTER_API_KEY", "DEEPSEEK_API_KEY", "OLLAMA_API_BASE"),
-    "gemini": ("GEMINI_API_KEY", "GOOGLE_API_KEY", "GOOGLE_CLOUD_PROJECT", "GOOGLE_CLOUD_LOCATION",
-               "GOOGLE_APPLICATION_CREDENTIALS", "GOOGLE_GENAI_USE_VERTEXAI"),
+    "aider": (
+        "AIDER_*",
+        "OPENAI_API_KEY",
+        "OPENAI_API_BASE",
+        "ANTHROPIC_API_KEY",
+        "GEMINI_API_KEY",
+        "OPENROUTER_API_KEY",
+        "DEEPSEEK_API_KEY",
+        "OLLAMA_API_BASE",
+    ),
+    "gemini": (
+        "GEMINI_API_KEY",
+        "GOOGLE_API_KEY",
+        "GOOGLE_CLOUD_PROJECT",
+        "GOOGLE_CLOUD_LOCATION",
+        "GOOGLE_APPLICATION_CREDENTIALS",
+        "GOOGLE_GENAI_USE_VERTEXAI",
+    ),
     "opencode": ("OPENCODE_*", "ANTHROPIC_API_KEY", "OPENAI_API_KEY", "GEMINI_API_KEY", "OPENROUTER_API_KEY"),
 }
 DEFAULT_TIMEOUT_S = 900.0
@@ -81,17 +125,19 @@ def agent_argv(options: dict) -> list[str]:
     if options.get("agent_cmd"):
         argv = shlex.split(options["agent_cmd"])
         if not argv:
-            raise LoopError("--agent-cmd is empty; give a command such as \"mytool --prompt-file {prompt_file}\"")
+            raise LoopError('--agent-cmd is empty; give a command such as "mytool --prompt-file {prompt_file}"')
         for arg in argv:
             inside = [p for p in PLACEHOLDERS if f"{{{p}}}" in arg and arg != f"{{{p}}}"]
             if inside:  # it would stay literal (substituting it into a shell string would let the prompt run)
-                raise LoopError(f"--agent-cmd: {{{inside[0]}}} must be a whole argument, not part of {arg!r}; "
-                                "pass it on its own (\"mytool --file {prompt_file}\"), or inside sh -c read "
-                                "\"$AUTOLOOP_PROMPT_FILE\", \"$AUTOLOOP_WORKDIR\", \"$AUTOLOOP_DESCRIPTION_FILE\"")
+                raise LoopError(
+                    f"--agent-cmd: {{{inside[0]}}} must be a whole argument, not part of {arg!r}; "
+                    'pass it on its own ("mytool --file {prompt_file}"), or inside sh -c read '
+                    '"$AUTOLOOP_PROMPT_FILE", "$AUTOLOOP_WORKDIR", "$AUTOLOOP_DESCRIPTION_FILE"'
+                )
         return argv
     name = options.get("agent") or "claude"
     if name not in PRESETS:
-        raise LoopError(f"unknown --agent {name!r}; presets: {', '.join(PRESETS)} (or pass --agent-cmd \"...\")")
+        raise LoopError(f'unknown --agent {name!r}; presets: {", ".join(PRESETS)} (or pass --agent-cmd "...")')
     return list(PRESETS[name])
 
 
@@ -121,8 +167,10 @@ def read_json_output(output: str) -> tuple[dict | None, str, str]:
         kind = event.get("type")
         if kind == "result":  # Claude Code: input_tokens excludes the cache reads and writes, billed apart
             usage = event.get("usage") if isinstance(event.get("usage"), dict) else {}
-            prompt += sum(_number(usage.get(k)) for k in ("input_tokens", "cache_creation_input_tokens",
-                                                          "cache_read_input_tokens"))
+            prompt += sum(
+                _number(usage.get(k))
+                for k in ("input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")
+            )
             completion += _number(usage.get("output_tokens"))
             cost += _number(event.get("total_cost_usd"))
             found, answer = True, str(event.get("result") or "")
@@ -140,8 +188,12 @@ def read_json_output(output: str) -> tuple[dict | None, str, str]:
             error = str(detail.get("message") or kind)
     if not found:
         return None, answer, error
-    usage = {"prompt_tokens": int(prompt), "completion_tokens": int(completion),
-             "total_tokens": int(prompt + completion), "cost": cost}
+    usage = {
+        "prompt_tokens": int(prompt),
+        "completion_tokens": int(completion),
+        "total_tokens": int(prompt + completion),
+        "cost": cost,
+    }
     return usage, answer, error
 
 
@@ -155,26 +207,46 @@ class AgentProposer(Proposer):
     pipeline = True
     options = (
         *PROMPT_OPTIONS,
-        click.Option(["--agent"], type=click.Choice(sorted(PRESETS)), envvar="AUTOLOOP_AGENT", show_envvar=True,
-                     help="Coding-agent preset for --proposer agent.  [default: claude]"),
-        click.Option(["--agent-cmd"], envvar="AUTOLOOP_AGENT_CMD", show_envvar=True,
-                     help="Any agent command instead of a preset; placeholders (whole arguments only) {prompt}, "
-                          "{prompt_file}, {workdir}, {description_file}."),
-        click.Option(["--agent-timeout"], type=click.FloatRange(min=0, min_open=True), envvar="AUTOLOOP_AGENT_TIMEOUT",
-                     show_envvar=True, help="Seconds an agent may take for one idea.  [default: 900]"),
+        click.Option(
+            ["--agent"],
+            type=click.Choice(sorted(PRESETS)),
+            envvar="AUTOLOOP_AGENT",
+            show_envvar=True,
+            help="Coding-agent preset for --proposer agent.  [default: claude]",
+        ),
+        click.Option(
+            ["--agent-cmd"],
+            envvar="AUTOLOOP_AGENT_CMD",
+            show_envvar=True,
+            help="Any agent command instead of a preset; placeholders (whole arguments only) {prompt}, "
+            "{prompt_file}, {workdir}, {description_file}.",
+        ),
+        click.Option(
+            ["--agent-timeout"],
+            type=click.FloatRange(min=0, min_open=True),
+            envvar="AUTOLOOP_AGENT_TIMEOUT",
+            show_envvar=True,
+            help="Seconds an agent may take for one idea.  [default: 900]",
+        ),
     )
 
     def __init__(self, context: Context):
         super().__init__(context)
         self.template = agent_argv(context.options)
         if shutil.which(self.template[0]) is None and not Path(self.template[0]).exists():
-            raise LoopError(f"agent command {self.template[0]!r} not found on PATH; install it, or choose another "
-                            f"with --agent ({', '.join(PRESETS)}) or --agent-cmd \"...\"")
+            raise LoopError(
+                f"agent command {self.template[0]!r} not found on PATH; install it, or choose another "
+                f'with --agent ({", ".join(PRESETS)}) or --agent-cmd "..."'
+            )
         self.timeout = float(context.options.get("agent_timeout") or DEFAULT_TIMEOUT_S)
         # the allow-list, what the preset's CLI needs, and --pass-env: never every secret of the controller
-        wanted = PRESET_ENV.get("" if context.options.get("agent_cmd") else context.options.get("agent") or "claude", ())
-        self.env = allowed_env(pass_env=tuple(context.pass_env) + tuple(
-            name for name in os.environ if any(fnmatch.fnmatchcase(name, w) for w in wanted)))
+        wanted = PRESET_ENV.get(
+            "" if context.options.get("agent_cmd") else context.options.get("agent") or "claude", ()
+        )
+        self.env = allowed_env(
+            pass_env=tuple(context.pass_env)
+            + tuple(name for name in os.environ if any(fnmatch.fnmatchcase(name, w) for w in wanted))
+        )
         self.paths = Paths(context.repo, context.tag)
         self.scratch = self.paths.state / "agent"  # outside the worktree: nothing here counts as an edit
 
@@ -185,9 +257,14 @@ class AgentProposer(Proposer):
         prompt_file, description_file = self.scratch / "prompt.md", workdir / DESCRIPTION
         description_file.unlink(missing_ok=True)
         task = TASK.format(workdir=workdir, description_file=description_file)
-        prompt = build_prompt(read_program(self.context.repo, self.context.options.get("program")),
-                              (workdir / "train.py").read_text(), history, self.paths, task,
-                              int(self.context.options.get("prompt_chars") or DEFAULT_PROMPT_CHARS))
+        prompt = build_prompt(
+            read_program(self.context.repo, self.context.options.get("program")),
+            (workdir / "train.py").read_text(),
+            history,
+            self.paths,
+            task,
+            int(self.context.options.get("prompt_chars") or DEFAULT_PROMPT_CHARS),
+        )
         prompt_file.write_text(prompt)
         files = {"prompt_file": str(prompt_file), "workdir": str(workdir), "description_file": str(description_file)}
         fill = {f"{{{k}}}": v for k, v in {"prompt": prompt, **files}.items()}
@@ -207,12 +284,17 @@ class AgentProposer(Proposer):
         usage, answer, error = read_json_output(output)
         info = {"agent": self.template[0], **({"usage": usage} if usage else {})}
         if result.timed_out:
-            raise ProposalFailed("agent idea (timed out)", f"agent timed out after {self.timeout:.0f}s", info,
-                                 log=output)
+            raise ProposalFailed(
+                "agent idea (timed out)", f"agent timed out after {self.timeout:.0f}s", info, log=output
+            )
         if result.exit_code != 0 or error:
             why = f"exited with code {result.exit_code}" if result.exit_code != 0 else "reported an error"
-            raise ProposalFailed("agent idea (agent failed)", f"agent {why}: "
-                                 f"{(_last_line(error) or last_error_line(output))[:160]}", info, log=output)
+            raise ProposalFailed(
+                "agent idea (agent failed)",
+                f"agent {why}: {(_last_line(error) or last_error_line(output))[:160]}",
+                info,
+                log=output,
+            )
         description = description or _last_line(answer) or _last_line(output) or "agent edit"
         if (workdir / "train.py").read_text() == before:
             raise ProposalFailed(description.splitlines()[0], "the agent did not change train.py", info, log=output)

@@ -16,9 +16,9 @@ import click
 
 from .. import LoopError
 from ..store.ledger import Record
-from .prompt import DEFAULT_PROMPT_CHARS, PROMPT_OPTIONS, build_prompt, read_program
 from ..store.session import Paths
 from .base import Context, Proposal, ProposalFailed, Proposer
+from .prompt import DEFAULT_PROMPT_CHARS, PROMPT_OPTIONS, build_prompt, read_program
 
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
 SYSTEM = "You are an ML researcher improving a small GPT pretraining script. You reply with precise code edits."
@@ -55,17 +55,23 @@ def _find(source: str, search: str, i: int) -> tuple[int, int]:
     want = [line.rstrip() for line in search.splitlines()]
     lines = source.splitlines(keepends=True)
     for k in range(len(lines) - len(want) + 1):
-        if [line.rstrip() for line in lines[k:k + len(want)]] == want:
+        if [line.rstrip() for line in lines[k : k + len(want)]] == want:
             start = sum(len(line) for line in lines[:k])
-            return start, start + sum(len(line) for line in lines[k:k + len(want)]) - 1
+            return start, start + sum(len(line) for line in lines[k : k + len(want)]) - 1
     raise EditError(f"SEARCH block {i} does not match train.py; copy the lines exactly from the current train.py")
 
 
 def apply_reply(source: str, reply: str) -> tuple[str, str]:
     """(new train.py, description) from a reply with SEARCH/REPLACE blocks or a whole file."""
     m = _DESC.search(reply)
-    description = m.group(1) if m else next((ln.strip() for ln in reply.splitlines()
-                                             if ln.strip() and not ln.startswith(("<<<", "===", ">>>", "```"))), "")
+    description = (
+        m.group(1)
+        if m
+        else next(
+            (ln.strip() for ln in reply.splitlines() if ln.strip() and not ln.startswith(("<<<", "===", ">>>", "```"))),
+            "",
+        )
+    )
     blocks = _BLOCK.findall(reply)
     if blocks:
         new = source
@@ -98,19 +104,42 @@ class LLMProposer(Proposer):
     pipeline = True
     options = (
         *PROMPT_OPTIONS,
-        click.Option(["--llm-base-url"], envvar="AUTOLOOP_LLM_BASE_URL", show_envvar=True,
-                     help="OpenAI-compatible endpoint for --proposer llm.  [default: https://api.openai.com/v1]"),
-        click.Option(["--llm-model"], envvar="AUTOLOOP_LLM_MODEL", show_envvar=True,
-                     help="Model name for --proposer llm."),
-        click.Option(["--llm-api-key-env"], envvar="AUTOLOOP_LLM_API_KEY_ENV", show_envvar=True,
-                     help="Environment variable holding the API key.  [default: OPENAI_API_KEY; optional for "
-                          "localhost]"),
-        click.Option(["--llm-timeout"], type=click.FloatRange(min=0, min_open=True), envvar="AUTOLOOP_LLM_TIMEOUT",
-                     show_envvar=True, help="Seconds per LLM request.  [default: 600]"),
-        click.Option(["--llm-price-in"], type=click.FloatRange(min=0), envvar="AUTOLOOP_LLM_PRICE_IN",
-                     show_envvar=True, help="Dollars per million prompt tokens (for cost tracking and --max-cost)."),
-        click.Option(["--llm-price-out"], type=click.FloatRange(min=0), envvar="AUTOLOOP_LLM_PRICE_OUT",
-                     show_envvar=True, help="Dollars per million completion tokens."),
+        click.Option(
+            ["--llm-base-url"],
+            envvar="AUTOLOOP_LLM_BASE_URL",
+            show_envvar=True,
+            help="OpenAI-compatible endpoint for --proposer llm.  [default: https://api.openai.com/v1]",
+        ),
+        click.Option(
+            ["--llm-model"], envvar="AUTOLOOP_LLM_MODEL", show_envvar=True, help="Model name for --proposer llm."
+        ),
+        click.Option(
+            ["--llm-api-key-env"],
+            envvar="AUTOLOOP_LLM_API_KEY_ENV",
+            show_envvar=True,
+            help="Environment variable holding the API key.  [default: OPENAI_API_KEY; optional for localhost]",
+        ),
+        click.Option(
+            ["--llm-timeout"],
+            type=click.FloatRange(min=0, min_open=True),
+            envvar="AUTOLOOP_LLM_TIMEOUT",
+            show_envvar=True,
+            help="Seconds per LLM request.  [default: 600]",
+        ),
+        click.Option(
+            ["--llm-price-in"],
+            type=click.FloatRange(min=0),
+            envvar="AUTOLOOP_LLM_PRICE_IN",
+            show_envvar=True,
+            help="Dollars per million prompt tokens (for cost tracking and --max-cost).",
+        ),
+        click.Option(
+            ["--llm-price-out"],
+            type=click.FloatRange(min=0),
+            envvar="AUTOLOOP_LLM_PRICE_OUT",
+            show_envvar=True,
+            help="Dollars per million completion tokens.",
+        ),
     )
 
     def __init__(self, context: Context):
@@ -118,8 +147,10 @@ class LLMProposer(Proposer):
         try:
             import openai
         except ImportError:
-            raise LoopError('the llm proposer needs the openai client: '
-                            'pip install "autoloop-ml[llm]" (in a clone: pip install -e ".[llm]")') from None
+            raise LoopError(
+                "the llm proposer needs the openai client: "
+                'pip install "autoloop-ml[llm]" (in a clone: pip install -e ".[llm]")'
+            ) from None
         opts = context.options
         self.openai = openai
         self.model = opts.get("llm_model")
@@ -130,11 +161,13 @@ class LLMProposer(Proposer):
         key = os.environ.get(key_env)
         if not key:
             if not _is_local(base_url):
-                raise LoopError(f"no API key for {base_url}: set {key_env} (or name another variable with "
-                                "--llm-api-key-env)")
+                raise LoopError(
+                    f"no API key for {base_url}: set {key_env} (or name another variable with --llm-api-key-env)"
+                )
             key = "not-needed"  # local servers (vLLM, llama.cpp, Ollama) accept any key
-        self.client = openai.OpenAI(base_url=base_url, api_key=key, timeout=float(opts.get("llm_timeout") or 600),
-                                    max_retries=2)
+        self.client = openai.OpenAI(
+            base_url=base_url, api_key=key, timeout=float(opts.get("llm_timeout") or 600), max_retries=2
+        )
         self.price_in = float(opts.get("llm_price_in") or 0.0)  # dollars per million prompt tokens
         self.price_out = float(opts.get("llm_price_out") or 0.0)
         self.paths = Paths(context.repo, context.tag)
@@ -146,12 +179,15 @@ class LLMProposer(Proposer):
         try:
             response = self.client.chat.completions.create(model=self.model, messages=messages)
         except self.openai.APIError as e:
-            raise ProposalFailed("LLM request failed", f"LLM API error: {type(e).__name__}: {e}"[:300],
-                                 {"usage": usage}) from None
+            raise ProposalFailed(
+                "LLM request failed", f"LLM API error: {type(e).__name__}: {e}"[:300], {"usage": usage}
+            ) from None
         if response.usage is not None:
             prompt, completion = response.usage.prompt_tokens or 0, response.usage.completion_tokens or 0
-            this = {"total_tokens": prompt + completion,
-                    "cost": (prompt * self.price_in + completion * self.price_out) / 1e6}
+            this = {
+                "total_tokens": prompt + completion,
+                "cost": (prompt * self.price_in + completion * self.price_out) / 1e6,
+            }
             if spend is not None:
                 spend.add(this, f"llm {self.model}")
             usage["prompt_tokens"] += prompt
@@ -169,9 +205,14 @@ class LLMProposer(Proposer):
     def _propose(self, workdir: Path, history: list[Record]) -> Proposal:
         path = workdir / "train.py"
         source = path.read_text()
-        prompt = build_prompt(read_program(self.context.repo, self.context.options.get("program")), source,
-                              history, self.paths, TASK,
-                              int(self.context.options.get("prompt_chars") or DEFAULT_PROMPT_CHARS))
+        prompt = build_prompt(
+            read_program(self.context.repo, self.context.options.get("program")),
+            source,
+            history,
+            self.paths,
+            TASK,
+            int(self.context.options.get("prompt_chars") or DEFAULT_PROMPT_CHARS),
+        )
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}]
         usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0, "cost": 0.0}
         transcript = []
@@ -182,12 +223,19 @@ class LLMProposer(Proposer):
                 new, description = apply_reply(source, reply)
             except EditError as e:
                 if attempt == 2:
-                    raise ProposalFailed(_DESC.search(reply).group(1) if _DESC.search(reply) else "LLM edit",
-                                         f"LLM reply did not apply: {e}", {"usage": usage},
-                                         log="\n".join(transcript)) from None
-                messages += [{"role": "assistant", "content": reply},
-                             {"role": "user", "content": f"That edit could not be applied: {e}. Reply again in "
-                                                         "the required format."}]
+                    raise ProposalFailed(
+                        _DESC.search(reply).group(1) if _DESC.search(reply) else "LLM edit",
+                        f"LLM reply did not apply: {e}",
+                        {"usage": usage},
+                        log="\n".join(transcript),
+                    ) from None
+                messages += [
+                    {"role": "assistant", "content": reply},
+                    {
+                        "role": "user",
+                        "content": f"That edit could not be applied: {e}. Reply again in the required format.",
+                    },
+                ]
                 continue
             path.write_text(new)
             return Proposal(description, {"usage": usage, "model": self.model}, log="\n".join(transcript))

@@ -6,26 +6,37 @@ from pathlib import Path
 
 import click
 
-from ..trust import redaction
 from ..store.ledger import Record
 from ..store.session import Paths
+from ..trust import redaction
 from ..trust.summary import read_tail
 
 DEFAULT_PROMPT_CHARS = 48_000  # ~12k tokens: fits any model's context with room for the reply
 
 # The command-line options of the proposers that build this prompt (declared by them: orchestrator/plugins.py).
 PROMPT_OPTIONS = (
-    click.Option(["--program"], envvar="AUTOLOOP_PROGRAM", show_envvar=True,
-                 help="The research brief handed to LLM proposers.  [default: program.md in the repo]"),
-    click.Option(["--prompt-chars"], type=click.IntRange(min=2000), envvar="AUTOLOOP_PROMPT_CHARS", show_envvar=True,
-                 help="Upper bound on the prompt's size in characters.  [default: 48000]"),
+    click.Option(
+        ["--program"],
+        envvar="AUTOLOOP_PROGRAM",
+        show_envvar=True,
+        help="The research brief handed to LLM proposers.  [default: program.md in the repo]",
+    ),
+    click.Option(
+        ["--prompt-chars"],
+        type=click.IntRange(min=2000),
+        envvar="AUTOLOOP_PROMPT_CHARS",
+        show_envvar=True,
+        help="Upper bound on the prompt's size in characters.  [default: 48000]",
+    ),
 )
-FALLBACK_BRIEF = ("Lower val_bpb within the fixed training budget by editing only train.py: one idea per "
-                  "experiment, no new packages, simpler is better when results tie. The model is exported "
-                  "(torch.export) and scored by the harness: forward(idx) takes a (rows, MAX_SEQ_LEN) batch of "
-                  "token ids and returns logits (rows, MAX_SEQ_LEN, vocab); plain PyTorch operations only in "
-                  "evaluation (no custom kernels, no dropout, nothing in-place on buffers); causal, each row on its "
-                  "own, no state between batches.")
+FALLBACK_BRIEF = (
+    "Lower val_bpb within the fixed training budget by editing only train.py: one idea per "
+    "experiment, no new packages, simpler is better when results tie. The model is exported "
+    "(torch.export) and scored by the harness: forward(idx) takes a (rows, MAX_SEQ_LEN) batch of "
+    "token ids and returns logits (rows, MAX_SEQ_LEN, vocab); plain PyTorch operations only in "
+    "evaluation (no custom kernels, no dropout, nothing in-place on buffers); causal, each row on its "
+    "own, no state between batches."
+)
 LOG_TAIL_LINES = 40
 
 
@@ -75,21 +86,31 @@ def crash_tail(history: list[Record], paths: Paths) -> str:
     return f"Experiment #{last.n} ({last.description}) crashed: {reason}\nEnd of its log:\n{tail}"
 
 
-def build_prompt(program: str, train_source: str, history: list[Record], paths: Paths, task: str,
-                 max_chars: int = DEFAULT_PROMPT_CHARS) -> str:
+def build_prompt(
+    program: str,
+    train_source: str,
+    history: list[Record],
+    paths: Paths,
+    task: str,
+    max_chars: int = DEFAULT_PROMPT_CHARS,
+) -> str:
     """The whole prompt, never longer than max_chars: history rows and then the brief give way first."""
     crash = crash_tail(history, paths)
     counts = {s: sum(r.status == s for r in history) for s in ("keep", "discard", "crash")}
     baseline = next((r.val_bpb for r in history if r.status == "keep"), None)
     best = min((r.val_bpb for r in history if r.status == "keep" and r.val_bpb is not None), default=None)
-    summary = (f"{len(history)} experiments so far ({counts['keep']} keep, {counts['discard']} discard, "
-               f"{counts['crash']} crash)" + (f"; baseline val_bpb {baseline:.6f}, best {best:.6f}."
-                                              if baseline is not None and best is not None else "."))
+    summary = (
+        f"{len(history)} experiments so far ({counts['keep']} keep, {counts['discard']} discard, "
+        f"{counts['crash']} crash)"
+        + (f"; baseline val_bpb {baseline:.6f}, best {best:.6f}." if baseline is not None and best is not None else ".")
+    )
 
     def assemble(brief: str, rows: list[str]) -> str:
-        parts = [f"# Research brief (program.md)\n\n{brief.strip()}",
-                 f"# Results so far\n\n{summary}\nBest and most recent experiments "
-                 f"(#n, status, val_bpb, description):\n" + ("\n".join(rows) or "(none yet)")]
+        parts = [
+            f"# Research brief (program.md)\n\n{brief.strip()}",
+            f"# Results so far\n\n{summary}\nBest and most recent experiments "
+            f"(#n, status, val_bpb, description):\n" + ("\n".join(rows) or "(none yet)"),
+        ]
         if crash:
             parts.append(f"# The last experiment crashed\n\n{crash}\n\nIf the bug was trivial, fix it in this try.")
         parts.append(f"# Current best train.py\n\n```python\n{train_source}\n```")

@@ -19,8 +19,8 @@ from pathlib import Path
 
 from ..store.hparams import read_constants, set_constant
 from ..store.ledger import Record
-from .base import Proposal, ProposalFailed
 from ..store.session import is_locked
+from .base import Proposal, ProposalFailed
 
 
 @dataclass
@@ -97,7 +97,9 @@ class Queue:
         ideas, gone = {}, set(also_done)
         for e in self.entries():
             if e.get("op") == "add":
-                ideas[e["id"]] = Idea(e["id"], e["description"], e.get("set", {}), e.get("patch", ""), e.get("added", 0))
+                ideas[e["id"]] = Idea(
+                    e["id"], e["description"], e.get("set", {}), e.get("patch", ""), e.get("added", 0)
+                )
             elif e.get("op") in ("rm", "done"):
                 gone.add(e["id"])
         return [idea for i, idea in sorted(ideas.items()) if i not in gone]
@@ -123,8 +125,9 @@ def apply_idea(idea: Idea, workdir: Path, profile: str | None) -> Proposal:
     """Edit train.py in workdir as the idea says; ProposalFailed (a crash row) if it no longer applies."""
     info = {"queue_id": idea.id}
     if idea.patch:
-        proc = subprocess.run(["git", "apply", "--whitespace=nowarn", "-"], cwd=workdir, input=idea.patch,
-                              capture_output=True, text=True)
+        proc = subprocess.run(
+            ["git", "apply", "--whitespace=nowarn", "-"], cwd=workdir, input=idea.patch, capture_output=True, text=True
+        )
         if proc.returncode != 0:
             err = " ".join(proc.stderr.split())[:200]
             raise ProposalFailed(idea.description, f"queued patch no longer applies: {err}", info)

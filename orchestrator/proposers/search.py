@@ -202,8 +202,9 @@ class SearchProposer(Proposer):
         except ImportError:
             raise LoopError("search needs optuna, a dependency of autoloop: reinstall it (pip install -e .)") from None
 
-    def learn(self, space: dict[str, Param], history: list[Record],
-              best: dict) -> tuple[dict[str, Stats], set, Regions]:
+    def learn(
+        self, space: dict[str, Param], history: list[Record], best: dict
+    ) -> tuple[dict[str, Stats], set, Regions]:
         stats = {name: Stats(p.kind) for name, p in space.items()}
         regions = Regions(space)
         tried = set()
@@ -218,7 +219,9 @@ class SearchProposer(Proposer):
             if parent == best and len(changed) == 1:
                 name = changed[0]
                 p = space[name]
-                stats[name].tried_from_best.add(cfg[name] if p.kind == "choice" else _direction(p, parent[name], cfg[name]))
+                stats[name].tried_from_best.add(
+                    cfg[name] if p.kind == "choice" else _direction(p, parent[name], cfg[name])
+                )
             memory = outcome[rec.n] == "crash" and regions.grew(cfg, parent)
             if memory:
                 regions.add(cfg)
@@ -280,13 +283,23 @@ class SearchProposer(Proposer):
             return self.write(path, source, best, push, "local", push=True)
         screening = self.startup(history)
         if not screening:
-            changes = self.model(space, best, history, tried,
-                                 lambda c: all(self.allowed(space[n], stats[n], v, best[n]) for n, v in c.items())
-                                 and not closed({**best, **c}))
+            changes = self.model(
+                space,
+                best,
+                history,
+                tried,
+                lambda c: (
+                    all(self.allowed(space[n], stats[n], v, best[n]) for n, v in c.items())
+                    and not closed({**best, **c})
+                ),
+            )
             if changes:
                 return self.write(path, source, best, changes, "model")
-        changes = screening and self.screen(space, best, stats, tried, closed, rng) or \
-            self.local(space, best, history, stats, tried, closed, rng)
+        changes = (
+            screening
+            and self.screen(space, best, stats, tried, closed, rng)
+            or self.local(space, best, history, stats, tried, closed, rng)
+        )
         return self.write(path, source, best, changes, "local") if changes else None
 
     def startup(self, history: list[Record]) -> bool:
@@ -318,8 +331,9 @@ class SearchProposer(Proposer):
         import optuna
 
         moves = [(rec, cfg) for rec, cfg, _ in self.configs.moves(history)]
-        study = tpe_study(self.context.seed + len(history), finished_trials(optuna, space, moves), multivariate=True,
-                          startup=0)  # the screen is the start-up: no random jumps, however few trials are done
+        study = tpe_study(
+            self.context.seed + len(history), finished_trials(optuna, space, moves), multivariate=True, startup=0
+        )  # the screen is the start-up: no random jumps, however few trials are done
         return ask(study, space, best, tried, allowed)
 
     def local(self, space, best, history, stats, tried, closed, rng) -> dict | None:
@@ -328,7 +342,9 @@ class SearchProposer(Proposer):
             count = 2 if len(history) > len(names) and rng.random() < 0.2 or attempt > self.max_attempts // 2 else 1
             chosen = []
             for _ in range(count):
-                name = self.pick([n for n in names if n not in chosen], stats, rng) if len(chosen) < len(names) else None
+                name = (
+                    self.pick([n for n in names if n not in chosen], stats, rng) if len(chosen) < len(names) else None
+                )
                 if name:
                     chosen.append(name)
             changes = {}

@@ -46,14 +46,32 @@ def params_of(const: Constant) -> list[Param]:
             return [Param(const.name, "linear", const.low, const.high if const.high is not None else max(1.0, 2 * v))]
         if v <= 0:
             return []
-        return [Param(const.name, "log", const.low if const.low is not None else v / 10,
-                      const.high if const.high is not None else v * 10)]
+        return [
+            Param(
+                const.name,
+                "log",
+                const.low if const.low is not None else v / 10,
+                const.high if const.high is not None else v * 10,
+            )
+        ]
     if const.kind == "int":
         if _is_pow2(v):
-            return [Param(const.name, "pow2", const.low if const.low is not None else max(1, v // 8),
-                          const.high if const.high is not None else v * 8)]
-        return [Param(const.name, "int", const.low if const.low is not None else max(0, min(1, v)),
-                      const.high if const.high is not None else max(4, 4 * v))]
+            return [
+                Param(
+                    const.name,
+                    "pow2",
+                    const.low if const.low is not None else max(1, v // 8),
+                    const.high if const.high is not None else v * 8,
+                )
+            ]
+        return [
+            Param(
+                const.name,
+                "int",
+                const.low if const.low is not None else max(0, min(1, v)),
+                const.high if const.high is not None else max(4, 4 * v),
+            )
+        ]
     if const.kind == "tuple" and v and all(isinstance(x, float) and 0 < x < 1 for x in v):
         return [Param(f"{const.name}[{i}]", "unit", 0.0, 0.999) for i in range(len(v))]
     return []
@@ -65,7 +83,7 @@ def read_space(source: str, profile: str | None) -> tuple[dict[str, Param], dict
     for const in read_constants(source, profile):
         for p in params_of(const):
             space[p.name] = p
-            config[p.name] = const.value[int(p.name[p.name.index("[") + 1:-1])] if "[" in p.name else const.value
+            config[p.name] = const.value[int(p.name[p.name.index("[") + 1 : -1])] if "[" in p.name else const.value
     return space, config
 
 
@@ -81,7 +99,7 @@ def apply_changes(source: str, profile: str | None, changes: dict[str, object]) 
         base = name.split("[")[0]
         if "[" in name:
             current = list(by_const.get(base, consts[base].value))
-            current[int(name[name.index("[") + 1:-1])] = value
+            current[int(name[name.index("[") + 1 : -1])] = value
             by_const[base] = tuple(current)
         else:
             by_const[base] = value

@@ -96,8 +96,7 @@ def fits(dist, value) -> bool:
 def learnable(rec: Record) -> bool:
     """A finished run whose result says something about its configuration: not still training, and not a
     crash or slowdown of the machine (cause environment, disturbed), which may be tried again."""
-    return rec.status in ("keep", "discard", "crash") and rec.cause != "environment" and \
-        not rec.gate.get("disturbed")
+    return rec.status in ("keep", "discard", "crash") and rec.cause != "environment" and not rec.gate.get("disturbed")
 
 
 def finished_trials(optuna, space: dict[str, Param], moves: list[tuple[Record, dict]]) -> list:
@@ -118,10 +117,15 @@ def finished_trials(optuna, space: dict[str, Param], moves: list[tuple[Record, d
             continue  # nothing to rank a crash against yet
         params = {n: cfg[n] for n in space if n in cfg and fits(dists[n], cfg[n])}
         failed = values[0] is None or not scored
-        trials.append(optuna.trial.create_trial(
-            params=params, distributions={n: dists[n] for n in params},
-            value=worst if failed else sum(scored) / len(scored), state=optuna.trial.TrialState.COMPLETE,
-            user_attrs={"constraint": [1.0 if failed else 0.0]}))
+        trials.append(
+            optuna.trial.create_trial(
+                params=params,
+                distributions={n: dists[n] for n in params},
+                value=worst if failed else sum(scored) / len(scored),
+                state=optuna.trial.TrialState.COMPLETE,
+                user_attrs={"constraint": [1.0 if failed else 0.0]},
+            )
+        )
     return trials
 
 
@@ -143,8 +147,9 @@ def ask(study, space: dict[str, Param], best: dict, tried: set, allowed=None) ->
     for _ in range(50):
         trial = study.ask(dists)
         config = {n: as_declared(space[n], v) for n, v in trial.params.items()}
-        changes = {k: v for k, v in config.items() if v != best[k] and not (isinstance(v, float) and
-                                                                             math.isclose(v, best[k]))}
+        changes = {
+            k: v for k, v in config.items() if v != best[k] and not (isinstance(v, float) and math.isclose(v, best[k]))
+        }
         study.tell(trial, state=optuna.trial.TrialState.FAIL)  # a placeholder; the real result comes later
         if changes and config_key({**best, **changes}) not in tried and (allowed is None or allowed(changes)):
             return changes
@@ -169,14 +174,17 @@ class CMAESProposer(TPEProposer):
         try:
             import cmaes  # noqa: F401
         except ImportError:
-            raise LoopError('the cmaes proposer needs cmaes: '
-                            'pip install "autoloop-ml[cmaes]" (in a clone: pip install -e ".[cmaes]")') from None
+            raise LoopError(
+                "the cmaes proposer needs cmaes: "
+                'pip install "autoloop-ml[cmaes]" (in a clone: pip install -e ".[cmaes]")'
+            ) from None
 
     def study(self, seed: int, trials: list):
         import warnings
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # experimental-feature warnings of source_trials
-            sampler = self.optuna.samplers.CmaEsSampler(seed=seed, warn_independent_sampling=False,
-                                                        source_trials=trials or None)
+            sampler = self.optuna.samplers.CmaEsSampler(
+                seed=seed, warn_independent_sampling=False, source_trials=trials or None
+            )
         return self.optuna.create_study(direction="minimize", sampler=sampler)

@@ -15,8 +15,9 @@ import os
 import shutil
 import subprocess
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, TypeVar
+from typing import TypeVar
 
 import git
 
@@ -29,12 +30,21 @@ IDENTITY = ("-c", "user.name=autoloop", "-c", "user.email=autoloop@localhost")
 # (an LFS or lint hook may fail or be slow), no fsmonitor daemon, and never a terminal prompt.
 # No attributes file but the repository's own (.gitattributes, info/attributes): a filter or diff driver is chosen
 # by attributes and runs a command.
-ISOLATED = {"commit.gpgsign": "false", "tag.gpgsign": "false", "core.hooksPath": "/dev/null",
-            "core.fsmonitor": "false", "core.attributesFile": "/dev/null"}
-ISOLATED_ENV = {"GIT_TERMINAL_PROMPT": "0", "GIT_CONFIG_NOSYSTEM": "1", "GIT_ATTR_NOSYSTEM": "1",
-                "GIT_CONFIG_COUNT": str(len(ISOLATED)),
-                **{f"GIT_CONFIG_KEY_{i}": k for i, k in enumerate(ISOLATED)},
-                **{f"GIT_CONFIG_VALUE_{i}": v for i, v in enumerate(ISOLATED.values())}}
+ISOLATED = {
+    "commit.gpgsign": "false",
+    "tag.gpgsign": "false",
+    "core.hooksPath": "/dev/null",
+    "core.fsmonitor": "false",
+    "core.attributesFile": "/dev/null",
+}
+ISOLATED_ENV = {
+    "GIT_TERMINAL_PROMPT": "0",
+    "GIT_CONFIG_NOSYSTEM": "1",
+    "GIT_ATTR_NOSYSTEM": "1",
+    "GIT_CONFIG_COUNT": str(len(ISOLATED)),
+    **{f"GIT_CONFIG_KEY_{i}": k for i, k in enumerate(ISOLATED)},
+    **{f"GIT_CONFIG_VALUE_{i}": v for i, v in enumerate(ISOLATED.values())},
+}
 
 
 class _DaemonTimer(threading.Timer):
@@ -145,9 +155,16 @@ class Guard:
 
     def _watched(self) -> list[Path]:
         hooks = self.common / "hooks"
-        return [self.common / name for name in ("config", "config.worktree", "info/attributes",
-                                                "objects/info/alternates", "objects/info/http-alternates")] + \
-            (sorted(hooks.iterdir()) if hooks.is_dir() else [])
+        return [
+            self.common / name
+            for name in (
+                "config",
+                "config.worktree",
+                "info/attributes",
+                "objects/info/alternates",
+                "objects/info/http-alternates",
+            )
+        ] + (sorted(hooks.iterdir()) if hooks.is_dir() else [])
 
     def snapshot(self) -> None:
         """Take the repository's git state as it is now as the one to keep (the user's changes between
@@ -169,8 +186,10 @@ class Guard:
                 try:
                     _put(path, expected.get(path))
                 except OSError as e:
-                    raise LoopError(f"{path} was changed (by a run?) and cannot be put back ({e}); restore it, "
-                                    "then run the same command to resume") from None
+                    raise LoopError(
+                        f"{path} was changed (by a run?) and cannot be put back ({e}); restore it, "
+                        "then run the same command to resume"
+                    ) from None
             self.repaired += changed
             return changed
 
@@ -267,14 +286,16 @@ def open_repo(path: Path) -> git.Repo:
     try:
         repo = isolated(_Repo(path, search_parent_directories=False))
     except (git.InvalidGitRepositoryError, git.NoSuchPathError):
-        raise LoopError(f"{path} is not a git repository; run `git init && git add -A && git commit -m init` "
-                        "there, or pass --repo PATH") from None
+        raise LoopError(
+            f"{path} is not a git repository; run `git init && git add -A && git commit -m init` "
+            "there, or pass --repo PATH"
+        ) from None
     if not repo.head.is_valid():
-        raise LoopError(f"{path} has no commits yet; commit train.py and prepare.py first "
-                        "(git add -A && git commit -m init)")
+        raise LoopError(
+            f"{path} has no commits yet; commit train.py and prepare.py first (git add -A && git commit -m init)"
+        )
     if repo.working_tree_dir:
-        repo.git.update_environment(GIT_DIR=str(Path(repo.git_dir).resolve()),
-                                    GIT_WORK_TREE=str(tree(repo).resolve()))
+        repo.git.update_environment(GIT_DIR=str(Path(repo.git_dir).resolve()), GIT_WORK_TREE=str(tree(repo).resolve()))
     guard = _GUARDS[Path(repo.common_dir).resolve()] = Guard(Path(repo.common_dir).resolve())
     repo.git.guard = guard
     return repo
@@ -285,8 +306,10 @@ def require_clean(repo: git.Repo, files=PROTECTED) -> None:
     dirty = [f for f in files if repo.git.status("--porcelain", "--", f).strip()]
     if dirty:
         names = " and ".join(dirty)
-        raise LoopError(f"uncommitted changes to {names}; the loop starts from your last commit. "
-                        f"Commit them (git commit -am 'baseline') or discard them (git checkout -- {' '.join(dirty)})")
+        raise LoopError(
+            f"uncommitted changes to {names}; the loop starts from your last commit. "
+            f"Commit them (git commit -am 'baseline') or discard them (git checkout -- {' '.join(dirty)})"
+        )
     if not (tree(repo) / "train.py").exists():
         raise LoopError(f"no train.py in {repo.working_tree_dir}; autoloop edits a train.py at the repo root")
 
@@ -339,12 +362,15 @@ def ensure_worktree(repo: git.Repo, tag: str, path: Path) -> git.Repo:
     if (wt := _registered(repo, path)) is not None:
         if wt.head.is_detached or wt.active_branch.name != branch:
             on = "a detached HEAD" if wt.head.is_detached else wt.active_branch.name
-            raise LoopError(f"{path} is checked out on {on}, not {branch}; remove it "
-                            f"(git worktree remove --force {path}) and retry")
+            raise LoopError(
+                f"{path} is checked out on {on}, not {branch}; remove it (git worktree remove --force {path}) and retry"
+            )
         return wt
     if path.exists() and any(path.iterdir()):
-        raise LoopError(f"{path} is not a worktree of {repo.working_tree_dir} (git worktree list); remove it "
-                        f"(rm -rf {path}) and retry")
+        raise LoopError(
+            f"{path} is not a worktree of {repo.working_tree_dir} (git worktree list); remove it "
+            f"(rm -rf {path}) and retry"
+        )
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         if branch in [h.name for h in repo.heads]:
@@ -412,8 +438,10 @@ def mark_tried(repo: git.Repo, tag: str, n: int, commit: str) -> None:
 def refs(repo: git.Repo) -> dict[str, tuple[str, str]]:
     """Every ref of the repository (loose and packed): name -> (commit, the ref it points at if symbolic)."""
     out = repo.git.for_each_ref("--format=%(refname)%00%(objectname)%00%(symref)")
-    return {name: (commit, symref) for name, commit, symref in
-            (line.split("\0") for line in out.splitlines() if line.count("\0") == 2)}
+    return {
+        name: (commit, symref)
+        for name, commit, symref in (line.split("\0") for line in out.splitlines() if line.count("\0") == 2)
+    }
 
 
 def restore_ref(repo: git.Repo, name: str, value: tuple[str, str] | None) -> None:
@@ -449,8 +477,9 @@ def diff_all(wt: git.Repo, base: str, context: int = 3) -> str:
     """Everything changed in the worktree relative to base, untracked files included, as a binary patch."""
     wt.git.add("-A")
     try:
-        return wt.git.diff("--cached", "--binary", f"-U{context}", base, stdout_as_string=True,
-                           strip_newline_in_stdout=False)
+        return wt.git.diff(
+            "--cached", "--binary", f"-U{context}", base, stdout_as_string=True, strip_newline_in_stdout=False
+        )
     finally:
         wt.git.reset("-q")
 
@@ -467,8 +496,14 @@ def _apply(wt: git.Repo, patch: str, *options: str) -> str:
     guard = getattr(wt.git, "guard", None)
     try:
         with guard.command(wt.git.worktree_path) if guard is not None else contextlib.nullcontext():
-            proc = subprocess.run(args, cwd=wt.working_tree_dir, input=patch.encode(), capture_output=True,
-                                  env={**os.environ, **ISOLATED_ENV, **wt.git.environment()}, timeout=GIT_TIMEOUT_S)
+            proc = subprocess.run(
+                args,
+                cwd=wt.working_tree_dir,
+                input=patch.encode(),
+                capture_output=True,
+                env={**os.environ, **ISOLATED_ENV, **wt.git.environment()},
+                timeout=GIT_TIMEOUT_S,
+            )
     except (OSError, subprocess.TimeoutExpired) as e:
         return str(e)
     if proc.returncode != 0:

@@ -42,8 +42,9 @@ class Constant:
 def _section_lines(lines: list[str]) -> tuple[int, int]:
     """1-based inclusive line range of the hyperparameter section: from its banner title to the next banner
     (the whole file when no section is marked)."""
-    start = next((i for i, line in enumerate(lines)
-                  if line.lstrip().startswith("#") and "hyperparameters" in line.lower()), None)
+    start = next(
+        (i for i, line in enumerate(lines) if line.lstrip().startswith("#") and "hyperparameters" in line.lower()), None
+    )
     if start is None:
         return 1, len(lines)
     banner = re.compile(r"^#\s*-{5,}\s*$")
@@ -58,8 +59,13 @@ def _number(node: ast.AST):
         left, right = _number(node.left), _number(node.right)
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (left, right)):
             raise ValueError("not a number")
-        ops = {ast.Pow: lambda a, b: a**b, ast.Mult: lambda a, b: a * b, ast.Add: lambda a, b: a + b,
-               ast.Sub: lambda a, b: a - b, ast.Div: lambda a, b: a / b}
+        ops = {
+            ast.Pow: lambda a, b: a**b,
+            ast.Mult: lambda a, b: a * b,
+            ast.Add: lambda a, b: a + b,
+            ast.Sub: lambda a, b: a - b,
+            ast.Div: lambda a, b: a / b,
+        }
         return ops[type(node.op)](left, right)
     return ast.literal_eval(node)
 
@@ -122,7 +128,7 @@ def _read_constants(source: str, profile: str | None) -> tuple[Constant, ...]:
                 continue
             value_node, prof = match[0].value, profile
         # the value's text (one line; ast columns are UTF-8 byte offsets)
-        text = lines[node.lineno - 1].encode("utf-8")[value_node.col_offset:value_node.end_col_offset].decode("utf-8")
+        text = lines[node.lineno - 1].encode("utf-8")[value_node.col_offset : value_node.end_col_offset].decode("utf-8")
         try:
             value = _number(value_node)
         except (ValueError, SyntaxError, TypeError):
@@ -132,8 +138,20 @@ def _read_constants(source: str, profile: str | None) -> tuple[Constant, ...]:
         if re.search(r"#.*\[fixed\]\s*$", lines[node.lineno - 1]):
             continue  # the author marked it as not a hyperparameter to search
         low, high, choices = _parse_comment(lines[node.lineno - 1], profile)
-        constants.append(Constant(name, value, node.lineno, value_node.col_offset, value_node.end_col_offset or 0,
-                                  text, low, high, choices, prof))
+        constants.append(
+            Constant(
+                name,
+                value,
+                node.lineno,
+                value_node.col_offset,
+                value_node.end_col_offset or 0,
+                text,
+                low,
+                high,
+                choices,
+                prof,
+            )
+        )
     return tuple(constants)
 
 
@@ -155,5 +173,5 @@ def set_constant(source: str, const: Constant, value, text: str | None = None) -
     line = lines[const.line - 1]
     encoded = line.encode("utf-8")  # ast columns are UTF-8 byte offsets
     new_text = (text if text is not None else format_value(value, const.text)).encode("utf-8")
-    lines[const.line - 1] = (encoded[:const.col] + new_text + encoded[const.end_col:]).decode("utf-8")
+    lines[const.line - 1] = (encoded[: const.col] + new_text + encoded[const.end_col :]).decode("utf-8")
     return "".join(lines)

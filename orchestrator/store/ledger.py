@@ -25,8 +25,10 @@ class Row:
 
     def to_line(self) -> str:
         desc = " ".join(self.description.replace("\t", " ").split())  # no tabs or newlines, ever
-        return (f"{self.commit[:7]}\t{self.val_bpb:.6f}\t{self.memory_gb:.1f}\t{self.mfu_percent:.2f}\t"
-                f"{self.status}\t{desc}\n")
+        return (
+            f"{self.commit[:7]}\t{self.val_bpb:.6f}\t{self.memory_gb:.1f}\t{self.mfu_percent:.2f}\t"
+            f"{self.status}\t{desc}\n"
+        )
 
 
 @dataclass
@@ -123,11 +125,18 @@ def read_rows(path: Path) -> list[Row]:
             if status not in STATUSES or not commit.strip():
                 raise ValueError(f"status {status!r} is not one of {', '.join(STATUSES)}")
         except (UnicodeDecodeError, ValueError) as e:
-            why = "it is not UTF-8" if isinstance(e, UnicodeDecodeError) else \
-                "it does not have 6 tab-separated columns" if "unpack" in str(e) else str(e)
-            raise LoopError(f"{path} line {number} cannot be read ({why}): {raw[:80].decode(errors='replace')!r}. "
-                            "Repair the line by hand (each row's record is runs/<n>/record.json, n its row number), "
-                            "or restore the file") from None
+            why = (
+                "it is not UTF-8"
+                if isinstance(e, UnicodeDecodeError)
+                else "it does not have 6 tab-separated columns"
+                if "unpack" in str(e)
+                else str(e)
+            )
+            raise LoopError(
+                f"{path} line {number} cannot be read ({why}): {raw[:80].decode(errors='replace')!r}. "
+                "Repair the line by hand (each row's record is runs/<n>/record.json, n its row number), "
+                "or restore the file"
+            ) from None
     return rows
 
 

@@ -82,8 +82,10 @@ class Lock:
         except BlockingIOError:
             holder = os.read(fd, 64).decode(errors="replace").strip() or "?"
             os.close(fd)
-            raise LoopError(f"another `autoloop run` is already running on tag {self.path.parent.name!r} "
-                            f"(pid {holder}); stop it first (Ctrl-C or kill {holder}) or use another --tag") from None
+            raise LoopError(
+                f"another `autoloop run` is already running on tag {self.path.parent.name!r} "
+                f"(pid {holder}); stop it first (Ctrl-C or kill {holder}) or use another --tag"
+            ) from None
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
         os.fsync(fd)
@@ -94,7 +96,7 @@ class Lock:
             os.close(self.fd)
             self.fd = None
 
-    def __enter__(self) -> "Lock":
+    def __enter__(self) -> Lock:
         self.acquire()
         return self
 

@@ -34,8 +34,10 @@ class Spend:
         if not tokens and not cost:
             return
         with self._lock:
-            append_line(self.path, json.dumps({"t": round(time.time(), 3), "total_tokens": tokens,
-                                               "cost": cost, "what": what}) + "\n")
+            append_line(
+                self.path,
+                json.dumps({"t": round(time.time(), 3), "total_tokens": tokens, "cost": cost, "what": what}) + "\n",
+            )
             self.tokens, self.cost, self.requests = self.tokens + tokens, self.cost + cost, self.requests + 1
 
     def exceeded(self) -> str:

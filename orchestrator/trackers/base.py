@@ -22,17 +22,17 @@ import json
 import math
 import re
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from git import GitCommandError
 
 from .. import plugins
-from ..store.hparams import read_constants
-from ..store.ledger import Record, write_json_atomic
 from ..core.state import State, Status, replay
 from ..core.workspace import Workspace
+from ..store.hparams import read_constants
+from ..store.ledger import Record, write_json_atomic
 
 # train.py's progress line: "step 00042 (12.5%) | loss: 5.123456 | dt: ...", the loss smoothed and debiased
 _STEP = re.compile(r"^step (\d+)\b[^\n]*?\bloss: ([^\s|]+)", re.MULTILINE)
@@ -59,9 +59,19 @@ def describe(ws: Workspace, record: Record) -> Experiment:
     params = constants(ws, record.commit)
     before = constants(ws, record.parent) if record.parent and record.parent != record.commit else params
     changed = [name for name, value in params.items() if before.get(name) != value]
-    return Experiment(record.n, f"{record.n}: {record.description}"[:250], record.status == Status.CRASH, params,
-                      changed, metrics_of(record), loss_curve(ws.paths.run_dir(record.n) / "run.log"),
-                      tags_of(record, changed), diff_of(ws, record), record.started, record.ended)
+    return Experiment(
+        record.n,
+        f"{record.n}: {record.description}"[:250],
+        record.status == Status.CRASH,
+        params,
+        changed,
+        metrics_of(record),
+        loss_curve(ws.paths.run_dir(record.n) / "run.log"),
+        tags_of(record, changed),
+        diff_of(ws, record),
+        record.started,
+        record.ended,
+    )
 
 
 def constants(ws: Workspace, commit: str) -> dict[str, object]:
@@ -88,8 +98,13 @@ def metrics_of(record: Record) -> dict[str, float]:
     """The summary block's numbers, with the val_bpb the loop judged (under the controller train.py prints nan
     and the harness measures it), tokens per second, memory in GB, and seconds per phase and in all."""
     metrics = {"val_bpb": record.val_bpb} if record.val_bpb is not None else {}  # first: UIs default to the first
-    metrics.update({k: float(v) for k, v in record.metrics.items()
-                    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and k != "val_bpb"})
+    metrics.update(
+        {
+            k: float(v)
+            for k, v in record.metrics.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and k != "val_bpb"
+        }
+    )
     if metrics.get("training_seconds") and "total_tokens_M" in metrics:
         metrics["tokens_per_s"] = metrics["total_tokens_M"] * 1e6 / metrics["training_seconds"]
     if "peak_vram_mb" in metrics:
@@ -119,12 +134,22 @@ def loss_curve(log: Path) -> list[tuple[int, float]]:
 
 def tags_of(record: Record, changed: list[str]) -> dict[str, str]:
     usage = record.info.get("usage") or {}
-    tags = {"n": record.n, "status": record.status, "description": record.description, "commit": record.commit,
-            "parent_commit": record.parent, "changed": ", ".join(changed), "proposer": record.proposer,
-            "device": record.device, "reason": record.reason, "phase": record.phase, "cause": record.cause,
-            "decision": record.gate.get("decision"),
-            **{f"gate.{k}": v for k, v in record.gate.items() if k != "decision"},
-            **{f"info.{k}": v for k, v in record.info.items() if isinstance(v, (str, int, float, bool))}}
+    tags = {
+        "n": record.n,
+        "status": record.status,
+        "description": record.description,
+        "commit": record.commit,
+        "parent_commit": record.parent,
+        "changed": ", ".join(changed),
+        "proposer": record.proposer,
+        "device": record.device,
+        "reason": record.reason,
+        "phase": record.phase,
+        "cause": record.cause,
+        "decision": record.gate.get("decision"),
+        **{f"gate.{k}": v for k, v in record.gate.items() if k != "decision"},
+        **{f"info.{k}": v for k, v in record.info.items() if isinstance(v, (str, int, float, bool))},
+    }
     if usage:  # what the proposer's LLM or agent cost for this idea
         tags.update(llm_tokens=usage.get("total_tokens", 0), llm_cost_usd=usage.get("cost", 0.0))
     return {k: str(v)[:5000] for k, v in tags.items() if v not in ("", None)}
@@ -156,8 +181,10 @@ class Backend:
             stores.setdefault(old.get("uri") or old.get("project") or "", old)
         before = [k for k in stores if k != key]
         if key not in stores and before:
-            self.note = (f"--tracker {self.name} now logs to {key} (this session was mirrored to {before[-1]} "
-                         "before); the whole session is logged there")
+            self.note = (
+                f"--tracker {self.name} now logs to {key} (this session was mirrored to {before[-1]} "
+                "before); the whole session is logged there"
+            )
         self.saved = stores.setdefault(key, {})
 
     def open(self, state: State) -> None:
@@ -183,8 +210,13 @@ def session_totals(ws: Workspace, state: State) -> dict[str, object]:
     run's tags (MLflow), summary (W&B) or text (TensorBoard); its metrics are the series val_bpb and best_val_bpb
     by experiment."""
     counts = {s.value: sum(r.status == s for r in state.records) for s in Status}
-    return {"experiments": state.done, **counts, "baseline_val_bpb": state.baseline_bpb,
-            "llm_tokens": ws.spend.tokens, "llm_cost_usd": ws.spend.cost}  # best_val_bpb: the last of its history
+    return {
+        "experiments": state.done,
+        **counts,
+        "baseline_val_bpb": state.baseline_bpb,
+        "llm_tokens": ws.spend.tokens,
+        "llm_cost_usd": ws.spend.cost,
+    }  # best_val_bpb: the last of its history
 
 
 class Trackers:
@@ -263,10 +295,15 @@ class Trackers:
             return True
         except Exception as error:  # noqa: BLE001 - a tracker is a mirror: whatever it raises, the night goes on
             self.backends.remove(backend)
-            fix = f'pip install "autoloop-ml[{backend.extra}]"' if isinstance(error, ImportError) and backend.extra \
+            fix = (
+                f'pip install "autoloop-ml[{backend.extra}]"'
+                if isinstance(error, ImportError) and backend.extra
                 else backend.fix()
-            self.echo(f"autoloop: warning: --tracker {backend.name} is off for this run ({doing}: "
-                      f"{backend.explain(error)}); {fix}")
+            )
+            self.echo(
+                f"autoloop: warning: --tracker {backend.name} is off for this run ({doing}: "
+                f"{backend.explain(error)}); {fix}"
+            )
             return False
 
     def _load(self) -> dict:

@@ -52,8 +52,11 @@ class TensorBoard(Backend):
         (numbers and strings as they are, anything else as text) and its metric, the final best val_bpb."""
         from torch.utils.tensorboard.summary import hparams
 
-        params = {k: v if isinstance(v, (int, float, str)) else str(v)
-                  for k, v in session_params(self.ws, state).items() if v is not None}
+        params = {
+            k: v if isinstance(v, (int, float, str)) else str(v)
+            for k, v in session_params(self.ws, state).items()
+            if v is not None
+        }
         return hparams(params, {"best_val_bpb": state.best_bpb})
 
     def log(self, e: Experiment, state: State) -> None:
@@ -71,15 +74,17 @@ class TensorBoard(Backend):
         from tensorboard.compat.proto.summary_pb2 import Summary
 
         totals = {**session_totals(self.ws, state), "stop": stop, "best_commit": state.best_commit}
-        self.writer.add_text("session", "\n".join(f"- {k}: {v}" for k, v in totals.items() if v is not None),
-                             state.done)
+        self.writer.add_text(
+            "session", "\n".join(f"- {k}: {v}" for k, v in totals.items() if v is not None), state.done
+        )
         for path in files:
             if path.suffix == ".png":
                 png = path.read_bytes()
                 width, height = struct.unpack(">II", png[16:24])  # the IHDR chunk, first in every PNG
                 image = Summary.Image(height=height, width=width, colorspace=4, encoded_image_string=png)
-                self.writer.file_writer.add_summary(Summary(value=[Summary.Value(tag="progress", image=image)]),
-                                                    state.done)
+                self.writer.file_writer.add_summary(
+                    Summary(value=[Summary.Value(tag="progress", image=image)]), state.done
+                )
             else:
                 self.writer.add_text(path.stem, path.read_text(), state.done)
         if not stop.startswith("interrupted"):  # a Ctrl-C'd session stays open: a resume may still finish it
@@ -92,15 +97,20 @@ class TensorBoard(Backend):
         return one_line(error)
 
     def fix(self) -> str:
-        return (f"make TENSORBOARD_LOGDIR (unset: {LOGDIR}/ in the repo) a writable directory; the experiments "
-                "it misses are logged when you run the same command again")
+        return (
+            f"make TENSORBOARD_LOGDIR (unset: {LOGDIR}/ in the repo) a writable directory; the experiments "
+            "it misses are logged when you run the same command again"
+        )
 
 
 def experiment_text(e: Experiment) -> str:
     """The Text tab's note of one experiment (markdown): its name, status and decision, what changed, the diff."""
     tags = e.tags
-    lines = [f"**{e.name}**", "", f"status {tags.get('status', '')}, decision {tags.get('decision', '-')}, "
-             f"commit {tags.get('commit', '')[:7]}"]
+    lines = [
+        f"**{e.name}**",
+        "",
+        f"status {tags.get('status', '')}, decision {tags.get('decision', '-')}, commit {tags.get('commit', '')[:7]}",
+    ]
     if e.changed:
         lines.append("changed: " + ", ".join(f"{name} = {e.params[name]!r}" for name in e.changed))
     if tags.get("reason"):

@@ -32,8 +32,9 @@ class WandB(Backend):
         import wandb
 
         self.wandb = wandb
-        if wandb.setup().settings.mode not in ("offline", "dryrun", "disabled") and \
-                not wandb.login(prompt=False, verify=False):  # never an interactive prompt in the middle of a night
+        if wandb.setup().settings.mode not in ("offline", "dryrun", "disabled") and not wandb.login(
+            prompt=False, verify=False
+        ):  # never an interactive prompt in the middle of a night
             raise RuntimeError("not logged in")
         self.dir = Path(os.environ.get("WANDB_DIR") or self.ws.settings.repo.resolve() / ".autoloop")
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -42,20 +43,43 @@ class WandB(Backend):
         if not self.saved.get("session"):
             self.saved.clear()
             self.saved.update(project=project, session=secrets.token_hex(4), logged=[])
-        self.session = self._init(id=self.saved["session"], name=self.ws.settings.tag, job_type="session",
-                                  config=session_params(self.ws, state))
+        self.session = self._init(
+            id=self.saved["session"],
+            name=self.ws.settings.tag,
+            job_type="session",
+            config=session_params(self.ws, state),
+        )
 
     def _init(self, stats: bool = True, **kw):
-        settings = self.wandb.Settings(console="off", silent=True, disable_git=True, x_save_requirements=False,
-                                       x_disable_stats=not stats, init_timeout=15)
-        return self.wandb.init(project=self.saved["project"], group=self.ws.settings.tag, dir=self.dir,
-                               resume="allow", reinit="create_new", settings=settings, **kw)
+        settings = self.wandb.Settings(
+            console="off",
+            silent=True,
+            disable_git=True,
+            x_save_requirements=False,
+            x_disable_stats=not stats,
+            init_timeout=15,
+        )
+        return self.wandb.init(
+            project=self.saved["project"],
+            group=self.ws.settings.tag,
+            dir=self.dir,
+            resume="allow",
+            reinit="create_new",
+            settings=settings,
+            **kw,
+        )
 
     def log(self, e: Experiment, state: State) -> None:
         # logged after the run: the machine's stats now would not be the run's
-        run = self._init(stats=False, id=f"{self.saved['session']}-{e.n}", name=e.name, job_type="experiment",
-                         notes=e.tags.get("description"), tags=[e.tags["status"]],
-                         config={**e.params, "changed": e.changed})
+        run = self._init(
+            stats=False,
+            id=f"{self.saved['session']}-{e.n}",
+            name=e.name,
+            job_type="experiment",
+            notes=e.tags.get("description"),
+            tags=[e.tags["status"]],
+            config={**e.params, "changed": e.changed},
+        )
         for step, loss in e.curve:
             run.log({"train_loss": loss}, step=step)
         run.summary.update({**e.tags, **e.metrics})
@@ -75,8 +99,7 @@ class WandB(Backend):
             else:
                 shutil.copy(path, Path(self.session.dir) / path.name)
         self.session.log(final, step=state.done)
-        self.session.summary.update({**session_totals(self.ws, state), "stop": stop,
-                                     "best_commit": state.best_commit})
+        self.session.summary.update({**session_totals(self.ws, state), "stop": stop, "best_commit": state.best_commit})
         self.session.finish(exit_code=1 if stop.startswith("interrupted") else 0)
 
     def explain(self, error: Exception) -> str:
@@ -87,7 +110,10 @@ class WandB(Backend):
         return one_line(error)
 
     def fix(self) -> str:
-        first = ("check the network, or log offline (WANDB_MODE=offline) and `wandb sync .autoloop/wandb/offline-run-*` "
-                 "later" if getattr(self, "offline_hint", False) else
-                 "log in (`wandb login` or WANDB_API_KEY) or log offline (WANDB_MODE=offline)")
+        first = (
+            "check the network, or log offline (WANDB_MODE=offline) and `wandb sync .autoloop/wandb/offline-run-*` "
+            "later"
+            if getattr(self, "offline_hint", False)
+            else "log in (`wandb login` or WANDB_API_KEY) or log offline (WANDB_MODE=offline)"
+        )
         return first + "; the experiments it misses are logged when you run the same command again"

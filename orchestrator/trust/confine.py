@@ -16,19 +16,75 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 
-ALLOWED = {"PATH", "HOME", "TMPDIR", "PYTHONUSERBASE", "PYTHONNOUSERSITE", "XDG_CONFIG_HOME", "XDG_DATA_HOME", "LANG", "LANGUAGE", "TZ", "TERM", "USER", "LOGNAME", "SHELL", "PYTHONPATH", "PYTHONHASHSEED",
-           "PYTHONUNBUFFERED", "VIRTUAL_ENV", "CONDA_PREFIX", "CONDA_DEFAULT_ENV", "LD_LIBRARY_PATH",
-           "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS",
-           "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE",
-           "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "no_proxy",
-           "all_proxy", "HF_HOME", "HF_HUB_CACHE", "HF_DATASETS_CACHE", "HF_HUB_OFFLINE", "HF_ENDPOINT",
-           "XDG_CACHE_HOME", "GLIBC_TUNABLES"}
-ALLOWED_PREFIXES = ("AUTOLOOP_", "LC_", "CUDA_", "NVIDIA_", "NCCL_", "CUBLAS_", "CUDNN_", "TORCH_",
-                    "TORCHINDUCTOR_", "PYTORCH_", "TRITON_", "HIP_", "ROCR_", "ROCM_", "HSA_", "MIOPEN_",
-                    "KMP_", "GOMP_")
+ALLOWED = {
+    "PATH",
+    "HOME",
+    "TMPDIR",
+    "PYTHONUSERBASE",
+    "PYTHONNOUSERSITE",
+    "XDG_CONFIG_HOME",
+    "XDG_DATA_HOME",
+    "LANG",
+    "LANGUAGE",
+    "TZ",
+    "TERM",
+    "USER",
+    "LOGNAME",
+    "SHELL",
+    "PYTHONPATH",
+    "PYTHONHASHSEED",
+    "PYTHONUNBUFFERED",
+    "VIRTUAL_ENV",
+    "CONDA_PREFIX",
+    "CONDA_DEFAULT_ENV",
+    "LD_LIBRARY_PATH",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "NUMEXPR_NUM_THREADS",
+    "SSL_CERT_FILE",
+    "SSL_CERT_DIR",
+    "REQUESTS_CA_BUNDLE",
+    "CURL_CA_BUNDLE",
+    "HTTP_PROXY",
+    "HTTPS_PROXY",
+    "NO_PROXY",
+    "ALL_PROXY",
+    "http_proxy",
+    "https_proxy",
+    "no_proxy",
+    "all_proxy",
+    "HF_HOME",
+    "HF_HUB_CACHE",
+    "HF_DATASETS_CACHE",
+    "HF_HUB_OFFLINE",
+    "HF_ENDPOINT",
+    "XDG_CACHE_HOME",
+    "GLIBC_TUNABLES",
+}
+ALLOWED_PREFIXES = (
+    "AUTOLOOP_",
+    "LC_",
+    "CUDA_",
+    "NVIDIA_",
+    "NCCL_",
+    "CUBLAS_",
+    "CUDNN_",
+    "TORCH_",
+    "TORCHINDUCTOR_",
+    "PYTORCH_",
+    "TRITON_",
+    "HIP_",
+    "ROCR_",
+    "ROCM_",
+    "HSA_",
+    "MIOPEN_",
+    "KMP_",
+    "GOMP_",
+)
 # A name that says it holds a secret is never passed on by a pattern, even under an allowed prefix.
 SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL|AUTH|COOKIE|SESSION|PRIVATE|SIGNATURE", re.IGNORECASE)
 MIN_SECRET_CHARS = 6  # shorter values ("1", "true") would redact half the prompt
@@ -37,8 +93,11 @@ MIN_SECRET_CHARS = 6  # shorter values ("1", "true") would redact half the promp
 def allowed_env(environ: dict[str, str] | None = None, pass_env: tuple[str, ...] = ()) -> dict[str, str]:
     """The variables of `environ` (default: this process's) that a run or an agent may see."""
     environ = dict(os.environ if environ is None else environ)
-    out = {k: v for k, v in environ.items()
-           if (k in ALLOWED or k.startswith(ALLOWED_PREFIXES)) and not SECRET_NAME.search(k)}
+    out = {
+        k: v
+        for k, v in environ.items()
+        if (k in ALLOWED or k.startswith(ALLOWED_PREFIXES)) and not SECRET_NAME.search(k)
+    }
     out.update({k: environ[k] for k in pass_env if k in environ})
     return out
 
@@ -46,8 +105,9 @@ def allowed_env(environ: dict[str, str] | None = None, pass_env: tuple[str, ...]
 def secret_values(environ: Mapping[str, str] | None = None) -> list[str]:
     """The values of the controller's secret-looking variables, longest first."""
     env = os.environ if environ is None else environ
-    return sorted({v for k, v in env.items() if SECRET_NAME.search(k) and len(v) >= MIN_SECRET_CHARS},
-                  key=len, reverse=True)
+    return sorted(
+        {v for k, v in env.items() if SECRET_NAME.search(k) and len(v) >= MIN_SECRET_CHARS}, key=len, reverse=True
+    )
 
 
 def redact(text: str, environ: Mapping[str, str] | None = None) -> str:
@@ -74,8 +134,16 @@ _EMPTY: list[str] = []  # the empty file bound over a hidden one (made on first 
 # read-write and joined our network namespace), its own terminal session (no keystrokes pushed into ours), and
 # dies with us. With its own PID namespace, bwrap's pid 1 exits when the step does and takes every process
 # left in the namespace with it: a double-forked setsid daemon does not outlive the step.
-_ISOLATE = ("--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--cap-drop", "ALL",
-            "--new-session", "--die-with-parent")
+_ISOLATE = (
+    "--unshare-pid",
+    "--unshare-ipc",
+    "--unshare-uts",
+    "--unshare-cgroup-try",
+    "--cap-drop",
+    "ALL",
+    "--new-session",
+    "--die-with-parent",
+)
 # A user namespace, strongest first: where the kernel or a container forbids one the step keeps our uid (still
 # without capabilities); --disable-userns (bubblewrap 0.8) keeps the step from making one of its own.
 _USERNS = (("--unshare-user", "--disable-userns"), ("--unshare-user",), ())
@@ -85,12 +153,28 @@ FULL = {"bwrap": "bwrap", "userns": _USERNS[0], "perms": True}  # what the probe
 # share (DataLoader workers, semaphores).
 MASKED = ("/tmp", "/var/tmp", "/run", "/dev/shm")
 SHARED_MEMORY = "/dev/shm"
-NVIDIA_SHARED = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset",
-                 "/dev/nvidia-caps")  # -caps: MIG instances
+NVIDIA_SHARED = (
+    "/dev/nvidiactl",
+    "/dev/nvidia-uvm",
+    "/dev/nvidia-uvm-tools",
+    "/dev/nvidia-modeset",
+    "/dev/nvidia-caps",
+)  # -caps: MIG instances
 ROCM = ("/dev/kfd", "/dev/dri")
 # Variables of a run's environment naming what it reads: bound back read-only where they lie under a mask
-READ_VARS = ("AUTOLOOP_CACHE", "PYTHONUSERBASE", "VIRTUAL_ENV", "CONDA_PREFIX", "HF_HOME", "HF_HUB_CACHE",
-             "HF_DATASETS_CACHE", "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")
+READ_VARS = (
+    "AUTOLOOP_CACHE",
+    "PYTHONUSERBASE",
+    "VIRTUAL_ENV",
+    "CONDA_PREFIX",
+    "HF_HOME",
+    "HF_HUB_CACHE",
+    "HF_DATASETS_CACHE",
+    "SSL_CERT_FILE",
+    "SSL_CERT_DIR",
+    "REQUESTS_CA_BUNDLE",
+    "CURL_CA_BUNDLE",
+)
 READ_LIST_VARS = ("PYTHONPATH", "LD_LIBRARY_PATH")
 
 
@@ -123,8 +207,12 @@ def _probe() -> dict:
             continue
         machine = {"bwrap": bwrap, "userns": userns, "perms": not known or "--perms" in known}
         try:
-            proc = subprocess.run(_command(machine, ["true"], [], False, [], [], [], gpu_devices(None)),
-                                  capture_output=True, text=True, timeout=30)
+            proc = subprocess.run(
+                _command(machine, ["true"], [], False, [], [], [], gpu_devices(None)),
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
         except (OSError, subprocess.TimeoutExpired) as e:
             return {"result": f"bubblewrap cannot run here ({e})"}
         if proc.returncode == 0:
@@ -183,8 +271,13 @@ def _nvidia_nodes() -> list[str]:
             continue
         if found and os.path.exists(f"/dev/nvidia{found[1]}"):
             by_bus[Path(info).parent.name.lower()] = int(found[1])
-    minors = [by_bus[bus] for bus in sorted(by_bus)] if by_bus else \
-        sorted(int(p[len("/dev/nvidia"):]) for p in glob.glob("/dev/nvidia[0-9]*") if p[len("/dev/nvidia"):].isdigit())
+    minors = (
+        [by_bus[bus] for bus in sorted(by_bus)]
+        if by_bus
+        else sorted(
+            int(p[len("/dev/nvidia") :]) for p in glob.glob("/dev/nvidia[0-9]*") if p[len("/dev/nvidia") :].isdigit()
+        )
+    )
     return [f"/dev/nvidia{minor}" for minor in minors]
 
 
@@ -202,28 +295,61 @@ def readable_paths(env: dict[str, str]) -> list[str]:
     return [*python_paths(), *(p for p in paths if os.path.isabs(p))]
 
 
-def sandboxed(cmd: list[str], writable: Iterable[str], net: bool, readable: Iterable[str] = (),
-              hidden: Iterable[str] = (), read_only: Iterable[str] = (),
-              devices: Iterable[str] | None = None) -> list[str]:
+def sandboxed(
+    cmd: list[str],
+    writable: Iterable[str],
+    net: bool,
+    readable: Iterable[str] = (),
+    hidden: Iterable[str] = (),
+    read_only: Iterable[str] = (),
+    devices: Iterable[str] | None = None,
+) -> list[str]:
     """cmd run by bubblewrap: the filesystem read-only but `writable`, and within those `read_only`; empty
     /tmp, /var/tmp, /run, /dev/shm and $XDG_RUNTIME_DIR, with `readable` bound back where it lies in one;
     `hidden` files read as empty, hidden directories as empty ones; of /dev, the basic nodes and `devices`
     (default: gpu_devices(None)); no network unless `net`; no capability, no process of ours in sight.
     The step's processes stay under ours and end with its first: a timeout still kills all of them."""
     sandbox_problem()  # which bwrap, and whether a user namespace can be made here
-    return _command(_PROBE.get("machine", FULL), cmd, writable, net, readable, hidden, read_only,
-                    gpu_devices(None) if devices is None else devices)
+    return _command(
+        _PROBE.get("machine", FULL),
+        cmd,
+        writable,
+        net,
+        readable,
+        hidden,
+        read_only,
+        gpu_devices(None) if devices is None else devices,
+    )
 
 
-def _command(machine: dict, cmd: list[str], writable: Iterable[str], net: bool, readable: Iterable[str],
-             hidden: Iterable[str], read_only: Iterable[str], devices: Iterable[str]) -> list[str]:
+def _command(
+    machine: dict,
+    cmd: list[str],
+    writable: Iterable[str],
+    net: bool,
+    readable: Iterable[str],
+    hidden: Iterable[str],
+    read_only: Iterable[str],
+    devices: Iterable[str],
+) -> list[str]:
     """The bwrap command line. Order matters: a later mount lies on top of an earlier one (the masks, then what
     is bound back into them, then the writable directories, then what stays read-only or hidden within those)."""
     masks = _masks()
     if net:  # /etc/resolv.conf may point into /run (systemd-resolved)
         readable = [*readable, os.path.realpath("/etc/resolv.conf")]
-    args = [machine["bwrap"], "--ro-bind", "/", "/", *machine["userns"], *_ISOLATE,
-            *([] if net else ["--unshare-net"]), "--proc", "/proc", "--dev", "/dev"]
+    args = [
+        machine["bwrap"],
+        "--ro-bind",
+        "/",
+        "/",
+        *machine["userns"],
+        *_ISOLATE,
+        *([] if net else ["--unshare-net"]),
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+    ]
     args += [a for d in _unique(devices) for a in ("--dev-bind-try", d, d)]
     sticky = ["--perms", "01777"] if machine["perms"] else []  # bubblewrap 0.5; for a setuid one without userns
     args += [a for m in masks for a in (*(sticky if m == SHARED_MEMORY else []), "--tmpfs", m)]

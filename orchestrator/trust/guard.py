@@ -10,14 +10,39 @@ from __future__ import annotations
 
 import ast
 
-HARNESS = {"SEED", "TIME_BUDGET", "EVAL_TOKENS", "MAX_SEQ_LEN", "VOCAB_SIZE", "evaluate_bpb", "make_dataloader",
-           "get_token_bytes", "Tokenizer", "evaluate_holdout_bpb", "save_eval_artifact"}
-INTERNALS = {"_evaluate_split_bpb", "_document_batches", "_split_files", "DATA_DIR", "MANIFEST_PATH",
-             "load_manifest", "evaluate_artifact", "HARNESS_NAMES"}
+HARNESS = {
+    "SEED",
+    "TIME_BUDGET",
+    "EVAL_TOKENS",
+    "MAX_SEQ_LEN",
+    "VOCAB_SIZE",
+    "evaluate_bpb",
+    "make_dataloader",
+    "get_token_bytes",
+    "Tokenizer",
+    "evaluate_holdout_bpb",
+    "save_eval_artifact",
+}
+INTERNALS = {
+    "_evaluate_split_bpb",
+    "_document_batches",
+    "_split_files",
+    "DATA_DIR",
+    "MANIFEST_PATH",
+    "load_manifest",
+    "evaluate_artifact",
+    "HARNESS_NAMES",
+}
 SEED_CALLS = {"manual_seed", "manual_seed_all", "seed", "set_seed", "default_rng", "seed_everything"}
 VALIDATION_STRINGS = {"val", "holdout", "val.parquet", "holdout.parquet", "validation"}
-CONTROLLER_ENV = {"AUTOLOOP_SEED", "AUTOLOOP_TIME_BUDGET", "AUTOLOOP_EVAL_ARTIFACT", "AUTOLOOP_CACHE",
-                  "AUTOLOOP_PROFILE", "AUTOLOOP_DATASET"}
+CONTROLLER_ENV = {
+    "AUTOLOOP_SEED",
+    "AUTOLOOP_TIME_BUDGET",
+    "AUTOLOOP_EVAL_ARTIFACT",
+    "AUTOLOOP_CACHE",
+    "AUTOLOOP_PROFILE",
+    "AUTOLOOP_DATASET",
+}
 
 
 def _names(target: ast.AST) -> list[str]:
@@ -42,8 +67,11 @@ def violations(source: str) -> set[str]:
                 for name in _names(target):
                     if name in HARNESS:
                         found.add(f"train.py redefines {name}, which prepare.py owns")
-                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) \
-                        and target.value.id == "prepare":
+                if (
+                    isinstance(target, ast.Attribute)
+                    and isinstance(target.value, ast.Name)
+                    and target.value.id == "prepare"
+                ):
                     found.add(f"train.py patches prepare.{target.attr}")
         elif isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in HARNESS:
             found.add(f"train.py redefines {node.name}, which prepare.py owns")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -60,8 +59,14 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def run_env(budget: float, seed: int, profile: str | None, dataset: str | None, cache: str | None,
-            pass_env: tuple[str, ...] = ()) -> dict[str, str]:
+def run_env(
+    budget: float,
+    seed: int,
+    profile: str | None,
+    dataset: str | None,
+    cache: str | None,
+    pass_env: tuple[str, ...] = (),
+) -> dict[str, str]:
     """The environment every harness and training process gets: the allow-listed part of ours (no secrets;
     confine.py) and `pass_env`, then budget, seed, cache, data, profile."""
     env = allowed_env(pass_env=pass_env)
@@ -77,19 +82,35 @@ def query(workdir: Path, env: dict[str, str], torch: bool = False) -> HarnessInf
     of CUDA (reported anyway when prepare.py imports torch)."""
     if not (workdir / "prepare.py").exists() and not torch:
         return HarnessInfo(None, None, None, False)
-    proc = subprocess.run([sys.executable, "-c", _QUERY, *(["torch"] if torch else [])], cwd=workdir, env=env,
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", _QUERY, *(["torch"] if torch else [])],
+        cwd=workdir,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("AUTOLOOP_HARNESS ")), None)
     if proc.returncode != 0 or line is None:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        raise LoopError("prepare.py could not be imported with this Python "
-                        f"({sys.executable}): {' | '.join(tail)}. Install the project (pip install -e .) "
-                        "or fix prepare.py")
+        raise LoopError(
+            "prepare.py could not be imported with this Python "
+            f"({sys.executable}): {' | '.join(tail)}. Install the project (pip install -e .) "
+            "or fix prepare.py"
+        )
     data = json.loads(line.split(" ", 1)[1])
-    return HarnessInfo(Path(data["manifest"]) if data.get("manifest") else None, data.get("profile"),
-                       data.get("time_budget"), bool(data.get("artifacts")), data.get("torch"), data.get("dataset"),
-                       data.get("smoke_warning"), data.get("cache") or "", bool(data.get("result_file")),
-                       data.get("vocab") if isinstance(data.get("vocab"), int) else None, bool(data.get("exported")))
+    return HarnessInfo(
+        Path(data["manifest"]) if data.get("manifest") else None,
+        data.get("profile"),
+        data.get("time_budget"),
+        bool(data.get("artifacts")),
+        data.get("torch"),
+        data.get("dataset"),
+        data.get("smoke_warning"),
+        data.get("cache") or "",
+        bool(data.get("result_file")),
+        data.get("vocab") if isinstance(data.get("vocab"), int) else None,
+        bool(data.get("exported")),
+    )
 
 
 def manifest_digest(manifest_path: Path) -> str:
@@ -98,8 +119,9 @@ def manifest_digest(manifest_path: Path) -> str:
         manifest = json.loads(manifest_path.read_text())
     except (OSError, ValueError):
         return ""
-    return hashlib.sha256(json.dumps({k: v for k, v in manifest.items() if k != "created"}, sort_keys=True)
-                          .encode()).hexdigest()
+    return hashlib.sha256(
+        json.dumps({k: v for k, v in manifest.items() if k != "created"}, sort_keys=True).encode()
+    ).hexdigest()
 
 
 def scored_on_readable_sources(manifest_path: Path) -> bool:
@@ -138,11 +160,19 @@ def verify(manifest_path: Path, prepare_py: Path | None = None) -> list[str]:
 
 def prepare(workdir: Path, env: dict[str, str], echo=print, force: bool = False) -> None:
     """Run `python prepare.py` (`--force`: from scratch), streaming its progress to the console."""
-    echo("autoloop: preparing data again (a run changed it) ..." if force else
-         "autoloop: preparing data (first run only) ...")
-    proc = subprocess.Popen([sys.executable, "prepare.py", *(["--force"] if force else [])], cwd=workdir, env=env,
-                            stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    echo(
+        "autoloop: preparing data again (a run changed it) ..."
+        if force
+        else "autoloop: preparing data (first run only) ..."
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "prepare.py", *(["--force"] if force else [])],
+        cwd=workdir,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     tail: list[str] = []
     try:
         for line in proc.stdout or ():

@@ -40,8 +40,15 @@ def encodings(value: str) -> set[str]:
     """The texts that betray value: itself, its hex, URL-encodings and base64 runs (both alphabets)."""
     raw = value.encode()
     runs = _base64_runs(raw)
-    out = {value, raw.hex(), raw.hex().upper(), quote(value, safe=""), quote_plus(value), *runs,
-           *(run.replace("+", "-").replace("/", "_") for run in runs)}
+    out = {
+        value,
+        raw.hex(),
+        raw.hex().upper(),
+        quote(value, safe=""),
+        quote_plus(value),
+        *runs,
+        *(run.replace("+", "-").replace("/", "_") for run in runs),
+    }
     return {text for text in out if len(text) >= MIN_SECRET_CHARS}
 
 
@@ -65,8 +72,9 @@ def _pattern(found: tuple[tuple[str, str], ...]) -> tuple[re.Pattern | None, dic
             names.setdefault(text.lower() if _is_hex(text) else text, name)
     if not names:
         return None, names
-    alternatives = [f"(?i:{re.escape(t)})" if _is_hex(t) else re.escape(t)
-                    for t in sorted(names, key=len, reverse=True)]
+    alternatives = [
+        f"(?i:{re.escape(t)})" if _is_hex(t) else re.escape(t) for t in sorted(names, key=len, reverse=True)
+    ]
     return re.compile("|".join(alternatives)), names
 
 

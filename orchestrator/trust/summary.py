@@ -12,8 +12,17 @@ from . import redaction
 
 TAIL_BYTES = 1 << 20  # what is read of a run's log: the summary and the last error are at its end
 
-SUMMARY_KEYS = ("val_bpb", "training_seconds", "total_seconds", "peak_vram_mb", "mfu_percent",
-                "total_tokens_M", "num_steps", "num_params_M", "depth")
+SUMMARY_KEYS = (
+    "val_bpb",
+    "training_seconds",
+    "total_seconds",
+    "peak_vram_mb",
+    "mfu_percent",
+    "total_tokens_M",
+    "num_steps",
+    "num_params_M",
+    "depth",
+)
 _LINE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*):\s*(\S.*?)\s*$")
 # What a crash looks like when the machine, not the idea, failed: the device, the driver, the disk, the install.
 _ENVIRONMENT = re.compile(
@@ -21,7 +30,8 @@ _ENVIRONMENT = re.compile(
     r"CUDA driver|driver version is insufficient|cudaErrorDevicesUnavailable|busy or unavailable|"
     r"no CUDA-capable device|No CUDA GPUs are available|fallen off the bus|GPU is lost|device lost|"
     r"CUDA error: unknown error|ECC error|uncorrectable|NCCL error|HIP error: no ROCm-capable|"
-    r"CUDA error: (?:initialization error|launch failure)")
+    r"CUDA error: (?:initialization error|launch failure)"
+)
 _ERROR = re.compile(r"(Error|Exception|FAIL|Traceback|Killed|error:|out of memory)", re.IGNORECASE)
 
 
@@ -44,7 +54,7 @@ def parse_summary(log_text: str) -> dict[str, float | int | str]:
     if not starts:
         return {}
     metrics: dict[str, float | int | str] = {}
-    for line in lines[starts[-1] + 1:]:
+    for line in lines[starts[-1] + 1 :]:
         match = _LINE.match(line.strip())
         if match:
             metrics[match.group(1)] = _value(match.group(2))

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..trust.evaluation import holdout_text
+from ..core.state import load_state
 from ..store.ledger import read_record
 from ..store.session import Paths
 from ..store.spend import Spend
-from ..core.state import load_state
+from ..trust.evaluation import holdout_text
 
 
 def load(paths: Paths) -> pd.DataFrame:
@@ -36,8 +36,15 @@ def facts(paths: Paths) -> dict:
     improvements = []
     previous = baseline
     for _, row in kept.iloc[1:].iterrows():
-        improvements.append({"n": int(row["n"]), "commit": row["commit"], "val_bpb": float(row["val_bpb"]),
-                             "delta": float(row["val_bpb"]) - previous, "description": row["description"]})
+        improvements.append(
+            {
+                "n": int(row["n"]),
+                "commit": row["commit"],
+                "val_bpb": float(row["val_bpb"]),
+                "delta": float(row["val_bpb"]) - previous,
+                "description": row["description"],
+            }
+        )
         previous = min(previous, float(row["val_bpb"]))
     crash_reasons = Counter()
     for n in df[df["status"] == "crash"]["n"]:
@@ -55,7 +62,9 @@ def facts(paths: Paths) -> dict:
     return {
         "tag": paths.tag,
         "experiments": len(df),
-        "keep": counts.get("keep", 0), "discard": counts.get("discard", 0), "crash": counts.get("crash", 0),
+        "keep": counts.get("keep", 0),
+        "discard": counts.get("discard", 0),
+        "crash": counts.get("crash", 0),
         "keep_rate": counts.get("keep", 0) / len(df) if len(df) else 0.0,
         "baseline_bpb": baseline,
         "best_bpb": best,
@@ -64,8 +73,10 @@ def facts(paths: Paths) -> dict:
         "delta_percent": 100 * (best - baseline) / baseline if best is not None and baseline else None,
         "top_improvements": sorted(improvements, key=lambda i: i["delta"])[:10],
         "crash_reasons": dict(crash_reasons.most_common()),
-        "hours": seconds / 3600, "training_hours": train_s / 3600,
-        "llm_tokens": tokens, "llm_cost": cost,
+        "hours": seconds / 3600,
+        "training_hours": train_s / 3600,
+        "llm_tokens": tokens,
+        "llm_cost": cost,
         "holdout": json.loads(holdout_path.read_text()) if holdout_path.exists() else None,
     }
 
@@ -85,12 +96,25 @@ def plot(paths: Paths, out: Path) -> Path:
     ax.scatter(kept["n"], kept["val_bpb"], s=40, color="#1f77b4", label="kept", zorder=3)
     if len(kept):
         best = kept["val_bpb"].cummin()
-        ax.step(list(kept["n"]) + [df["n"].max()], list(best) + [best.iloc[-1]], where="post", color="#1f77b4",
-                linewidth=1.5, label="running best")
+        ax.step(
+            list(kept["n"]) + [df["n"].max()],
+            list(best) + [best.iloc[-1]],
+            where="post",
+            color="#1f77b4",
+            linewidth=1.5,
+            label="running best",
+        )
         ax.axhline(kept["val_bpb"].iloc[0], color="#d62728", linestyle="--", linewidth=1, label="baseline")
         for _, row in kept.iloc[1:].iterrows():
-            ax.annotate(row["description"][:40], (row["n"], row["val_bpb"]), textcoords="offset points",
-                        xytext=(4, -10), fontsize=7, rotation=-20, color="#1f4f7f")
+            ax.annotate(
+                row["description"][:40],
+                (row["n"], row["val_bpb"]),
+                textcoords="offset points",
+                xytext=(4, -10),
+                fontsize=7,
+                rotation=-20,
+                color="#1f4f7f",
+            )
         span = ok["val_bpb"].quantile(0.95) - kept["val_bpb"].min()
         ax.set_ylim(kept["val_bpb"].min() - 0.1 * span, ok["val_bpb"].quantile(0.95) + 0.1 * span)
     ax.set_xlabel("experiment")
@@ -109,19 +133,25 @@ def cumulative_diff(paths: Paths, repo: Path, f: dict) -> str:
     base = read_record(paths.run_dir(1))
     if not base or not f["best_commit"]:
         return ""
-    proc = subprocess.run(["git", "diff", base.commit, f["best_commit"], "--", "train.py"], cwd=repo,
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        ["git", "diff", base.commit, f["best_commit"], "--", "train.py"], cwd=repo, capture_output=True, text=True
+    )
     return proc.stdout if proc.returncode == 0 else ""
 
 
 def markdown(f: dict, diff: str, image: str | None) -> str:
     lines = [f"# autoloop report: {f['tag']}", ""]
     if f["best_bpb"] is not None:
-        lines += [f"**val_bpb {f['baseline_bpb']:.6f} -> {f['best_bpb']:.6f}** "
-                  f"({f['delta']:+.6f}, {f['delta_percent']:+.2f}%) at `{f['best_commit']}`", ""]
-    lines += [f"- experiments: {f['experiments']} ({f['keep']} keep, {f['discard']} discard, {f['crash']} crash); "
-              f"keep rate {100 * f['keep_rate']:.1f}%",
-              f"- time: {f['hours']:.2f} h, of which training {f['training_hours']:.2f} h"]
+        lines += [
+            f"**val_bpb {f['baseline_bpb']:.6f} -> {f['best_bpb']:.6f}** "
+            f"({f['delta']:+.6f}, {f['delta_percent']:+.2f}%) at `{f['best_commit']}`",
+            "",
+        ]
+    lines += [
+        f"- experiments: {f['experiments']} ({f['keep']} keep, {f['discard']} discard, {f['crash']} crash); "
+        f"keep rate {100 * f['keep_rate']:.1f}%",
+        f"- time: {f['hours']:.2f} h, of which training {f['training_hours']:.2f} h",
+    ]
     if f["llm_tokens"]:
         lines.append(f"- LLM: {f['llm_tokens']} tokens, ${f['llm_cost']:.2f}")
     if f["holdout"]:
@@ -129,8 +159,10 @@ def markdown(f: dict, diff: str, image: str | None) -> str:
     if image:
         lines += ["", f"![progress]({image})"]
     lines += ["", "## Top improvements", "", "| # | commit | val_bpb | delta | description |", "|---|---|---|---|---|"]
-    lines += [f"| {i['n']} | `{i['commit']}` | {i['val_bpb']:.6f} | {i['delta']:+.6f} | {i['description']} |"
-              for i in f["top_improvements"]] or ["| - | - | - | - | no improvement was kept |"]
+    lines += [
+        f"| {i['n']} | `{i['commit']}` | {i['val_bpb']:.6f} | {i['delta']:+.6f} | {i['description']} |"
+        for i in f["top_improvements"]
+    ] or ["| - | - | - | - | no improvement was kept |"]
     lines += ["", "## Crashes by reason", ""]
     lines += [f"- {reason}: {count}" for reason, count in f["crash_reasons"].items()] or ["- none"]
     if diff:

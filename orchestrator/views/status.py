@@ -6,10 +6,10 @@ import time
 from pathlib import Path
 
 from .. import LoopError
-from ..store.ledger import read_rows
 from ..core.progress import last_step
-from ..store.session import Paths, is_locked, latest_tag, read_status
 from ..core.state import load_state
+from ..store.ledger import read_rows
+from ..store.session import Paths, is_locked, latest_tag, read_status
 
 
 def collect(repo: Path, tag: str | None) -> dict:
@@ -44,41 +44,66 @@ def collect(repo: Path, tag: str | None) -> dict:
     if running and len(busy) == 1:  # one run: the current experiment
         item = busy[0]
         step = last_step(paths.run_dir(item["n"]) / "run.log")
-        info["current"] = {"n": item["n"], "phase": status.get("phase"), "description": item["description"],
-                           "elapsed_s": round(time.time() - item["started"], 1), "budget_s": status.get("budget"),
-                           "step": step[0] if step else None, "loss": step[2] if step else None}
+        info["current"] = {
+            "n": item["n"],
+            "phase": status.get("phase"),
+            "description": item["description"],
+            "elapsed_s": round(time.time() - item["started"], 1),
+            "budget_s": status.get("budget"),
+            "step": step[0] if step else None,
+            "loss": step[2] if step else None,
+        }
     elif running and busy:  # parallel runs: one entry per busy slot
         for item in busy:
             step = last_step(paths.run_dir(item["n"]) / "run.log")
-            info["slots"].append({"n": item["n"], "slot": item["slot"], "description": item["description"],
-                                  "elapsed_s": round(time.time() - item["started"], 1),
-                                  "step": step[0] if step else None, "loss": step[2] if step else None})
+            info["slots"].append(
+                {
+                    "n": item["n"],
+                    "slot": item["slot"],
+                    "description": item["description"],
+                    "elapsed_s": round(time.time() - item["started"], 1),
+                    "step": step[0] if step else None,
+                    "loss": step[2] if step else None,
+                }
+            )
     elif running and status.get("n"):
         step = last_step(paths.run_dir(status["n"]) / "run.log")
-        info["current"] = {"n": status["n"], "phase": status.get("phase"), "description": status.get("description"),
-                           "elapsed_s": round(time.time() - status.get("experiment_started", time.time()), 1),
-                           "budget_s": status.get("budget"),
-                           "step": step[0] if step else None, "loss": step[2] if step else None}
+        info["current"] = {
+            "n": status["n"],
+            "phase": status.get("phase"),
+            "description": status.get("description"),
+            "elapsed_s": round(time.time() - status.get("experiment_started", time.time()), 1),
+            "budget_s": status.get("budget"),
+            "step": step[0] if step else None,
+            "loss": step[2] if step else None,
+        }
     return info
 
 
 def render(info: dict) -> str:
     state = "running" if info["running"] else "not running"
-    lines = [f"session {info['tag']}: {state} ({info['phase']})",
-             f"experiments: {info['experiments']} ({info['keeps']} keep, {info['crashes']} crash)"]
+    lines = [
+        f"session {info['tag']}: {state} ({info['phase']})",
+        f"experiments: {info['experiments']} ({info['keeps']} keep, {info['crashes']} crash)",
+    ]
     if info["best_bpb"] is not None:
-        lines.append(f"best val_bpb: {info['best_bpb']:.6f} at {info['best_commit']} "
-                     f"(baseline {info['baseline_bpb']:.6f})")
+        lines.append(
+            f"best val_bpb: {info['best_bpb']:.6f} at {info['best_commit']} (baseline {info['baseline_bpb']:.6f})"
+        )
     if info["sigma"] is not None:
-        lines.append(f"noise: typical σ = {info['sigma']:.5f} val_bpb between runs of one configuration "
-                     f"(worth {info['sigma_dof']} runs; each configuration's own repeats refine its own)")
+        lines.append(
+            f"noise: typical σ = {info['sigma']:.5f} val_bpb between runs of one configuration "
+            f"(worth {info['sigma_dof']} runs; each configuration's own repeats refine its own)"
+        )
     elif info["experiments"]:
         lines.append("noise: σ not measured yet (no repeated runs)")
     if info["current"]:
         c = info["current"]
         progress = f", step {c['step']} loss {c['loss']:.4f}" if c.get("step") is not None else ""
-        lines.append(f"current: #{c['n']} {c['phase']} {c['elapsed_s']:.0f}s elapsed (budget {c['budget_s']:g}s"
-                     f"{progress}): {c['description'] or '(proposing)'}")
+        lines.append(
+            f"current: #{c['n']} {c['phase']} {c['elapsed_s']:.0f}s elapsed (budget {c['budget_s']:g}s"
+            f"{progress}): {c['description'] or '(proposing)'}"
+        )
     for c in info["slots"]:
         progress = f", step {c['step']} loss {c['loss']:.4f}" if c.get("step") is not None else ""
         lines.append(f"slot {c['slot']}: #{c['n']} {c['elapsed_s']:.0f}s elapsed{progress}: {c['description']}")
