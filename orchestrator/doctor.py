@@ -23,14 +23,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import LoopError
-from .store import gitops
-from .executors import gpu
-from .trust import harness
-from .store.hparams import read_constants
 from .core.settings import Settings
+from .executors import gpu
+from .store import gitops
+from .store.hparams import read_constants
+from .trust import harness
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
-EXTRAS = {"llm": "openai", "cmaes": "cmaes", "ray": "ray", "mlflow": "mlflow", "wandb": "wandb"}
+EXTRAS = {
+    "llm": "openai",
+    "cmaes": "cmaes",
+    "ray": "ray",
+    "mlflow": "mlflow",
+    "wandb": "wandb",
+    "tensorboard": "tensorboard",
+}
 NEEDS = {"proposer": {"llm": "llm", "cmaes": "cmaes"}, "executor": {"ray": "ray"}}
 NIGHT = 100  # experiments assumed for the disk estimate when neither --max-experiments nor --max-hours says
 LOG_MB = 1.0  # a run's log, record and outputs, generously (logs are capped at --max-log-mb)
@@ -62,8 +69,9 @@ def run_checks(settings: Settings) -> list[Finding]:
         return findings
     repo = gitops.Repo(settings.repo)
     findings += [check_identity(repo), check_signing(repo)]
-    env = harness.run_env(settings.budget, settings.seed, settings.profile, settings.dataset, settings.cache,
-                          tuple(settings.pass_env))
+    env = harness.run_env(
+        settings.budget, settings.seed, settings.profile, settings.dataset, settings.cache, tuple(settings.pass_env)
+    )
     info, torch_problem = None, None
     try:
         env = {**os.environ, **env}
@@ -91,8 +99,9 @@ def preflight(settings: Settings, slots: list) -> None:
         findings.append(check_agent(settings.options))
     failed = [f for f in findings if f.status == FAIL]
     if failed:
-        raise LoopError("; ".join(f"{f.detail} (fix: {f.fix})" for f in failed)
-                        + ". `autoloop doctor` checks everything at once")
+        raise LoopError(
+            "; ".join(f"{f.detail} (fix: {f.fix})" for f in failed) + ". `autoloop doctor` checks everything at once"
+        )
 
 
 def check_repo(settings: Settings) -> Finding:
@@ -100,19 +109,28 @@ def check_repo(settings: Settings) -> Finding:
         repo = gitops.open_repo(settings.repo)
         gitops.require_clean(repo)
     except LoopError as e:
-        return Finding("repository", FAIL, str(e).split("; ")[0], str(e).partition("; ")[2] or
-                       "autoloop init DIR makes a ready workspace")
+        return Finding(
+            "repository",
+            FAIL,
+            str(e).split("; ")[0],
+            str(e).partition("; ")[2] or "autoloop init DIR makes a ready workspace",
+        )
     branch = "detached HEAD" if repo.head.is_detached else repo.active_branch.name
-    return Finding("repository", OK, f"{settings.repo} on {branch} at {repo.head.commit.hexsha[:7]}, train.py committed")
+    return Finding(
+        "repository", OK, f"{settings.repo} on {branch} at {repo.head.commit.hexsha[:7]}, train.py committed"
+    )
 
 
 def check_identity(repo) -> Finding:
     name, email = (_git_config(repo, key) for key in ("user.name", "user.email"))
     if name and email:
         return Finding("git identity", OK, f"commits as {name} <{email}>")
-    return Finding("git identity", WARN, "no user.name / user.email: the loop's commits are by autoloop "
-                                         "<autoloop@localhost>",
-                   'git config --global user.name "Your Name" && git config --global user.email you@example.com')
+    return Finding(
+        "git identity",
+        WARN,
+        "no user.name / user.email: the loop's commits are by autoloop <autoloop@localhost>",
+        'git config --global user.name "Your Name" && git config --global user.email you@example.com',
+    )
 
 
 def _git_config(repo, key: str, *flags: str) -> str:
@@ -127,8 +145,15 @@ def _git_config(repo, key: str, *flags: str) -> str:
 def answer(argv: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
     """Run a short command in its own process group; TimeoutExpired after ANSWER_TIMEOUT_S, with the whole
     group killed (a CLI that waits for a login or a passphrase leaves nothing behind)."""
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                            text=True, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=ANSWER_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -146,49 +171,78 @@ def check_signing(repo) -> Finding:
     if not on:
         return Finding("git signing", OK, "commit.gpgsign is off")
     try:
-        proc = answer(["git", "-C", str(repo.working_tree_dir), "commit-tree", "-S", "-m", "autoloop doctor",
-                       "HEAD^{tree}"], env={**os.environ, "GIT_TERMINAL_PROMPT": "0"})
+        proc = answer(
+            ["git", "-C", str(repo.working_tree_dir), "commit-tree", "-S", "-m", "autoloop doctor", "HEAD^{tree}"],
+            env={**os.environ, "GIT_TERMINAL_PROMPT": "0"},
+        )
     except subprocess.TimeoutExpired:
-        return Finding("git signing", WARN, f"commit.gpgsign is on and the signer did not answer in "
-                                            f"{ANSWER_TIMEOUT_S:.0f} s (it may wait for a passphrase); the loop runs "
-                                            "(its commits are unsigned), your own commits here may hang",
-                       "cache the passphrase (gpg-agent) or `git config commit.gpgsign false` in this repo")
+        return Finding(
+            "git signing",
+            WARN,
+            f"commit.gpgsign is on and the signer did not answer in "
+            f"{ANSWER_TIMEOUT_S:.0f} s (it may wait for a passphrase); the loop runs "
+            "(its commits are unsigned), your own commits here may hang",
+            "cache the passphrase (gpg-agent) or `git config commit.gpgsign false` in this repo",
+        )
     if proc.returncode == 0:
-        return Finding("git signing", OK, "commit.gpgsign is on and the signer works (the loop's own commits are "
-                                          "unsigned: a signer must never prompt at night)")
+        return Finding(
+            "git signing",
+            OK,
+            "commit.gpgsign is on and the signer works (the loop's own commits are "
+            "unsigned: a signer must never prompt at night)",
+        )
     said = [ln.strip() for ln in proc.stderr.splitlines() if ln.strip() and not ln.startswith("fatal:")]
     why = " | ".join(said[:3]) or f"exit {proc.returncode}"  # the signer's own words, then git's
     program = _git_config(repo, "gpg.program") or "gpg"
-    return Finding("git signing", WARN, f"commit.gpgsign is on but signing fails ({why}); the loop runs (its "
-                                        "commits are unsigned), your own commits and merges here will fail",
-                   f"fix the signer ({program}, user.signingkey), or `git config commit.gpgsign false` in this repo")
+    return Finding(
+        "git signing",
+        WARN,
+        f"commit.gpgsign is on but signing fails ({why}); the loop runs (its "
+        "commits are unsigned), your own commits and merges here will fail",
+        f"fix the signer ({program}, user.signingkey), or `git config commit.gpgsign false` in this repo",
+    )
 
 
 def check_gpu(settings: Settings, env: dict[str, str], info, problem: str | None) -> Finding:
     """As the loop checks before experiment 1 (gpu.Check): only where runs use this machine's GPUs, not when
     the CPU is chosen on purpose (AUTOLOOP_DEVICE=cpu, --gpus '', CUDA_VISIBLE_DEVICES=)."""
     if problem:
-        return Finding("gpu / torch", FAIL, problem.split(". Install")[0],
-                       "install autoloop's dependencies into this Python (pip install autoloop-ml; in a clone: "
-                       "pip install -e .), or fix prepare.py")
+        return Finding(
+            "gpu / torch",
+            FAIL,
+            problem.split(". Install")[0],
+            "install autoloop's dependencies into this Python (pip install autoloop-ml; in a clone: "
+            "pip install -e .), or fix prepare.py",
+        )
     torch = (info.torch if info else None) or {}
     check = gpu.Check.start(settings, env)
     usable = bool(torch.get("available"))
     if check.check_driver and not usable:
         lines = gpu.driver_problem(check.driver, torch, sys.executable, env).splitlines()
-        return Finding("gpu / torch", FAIL, " ".join(line.strip() for line in lines[:3]),
-                       f"\n{'':19}".join(line.strip() for line in lines[3:]))
+        return Finding(
+            "gpu / torch",
+            FAIL,
+            " ".join(line.strip() for line in lines[:3]),
+            f"\n{'':19}".join(line.strip() for line in lines[3:]),
+        )
     if check.check_profile and not usable:
         text = gpu.profile_problem(check.driver, torch, sys.executable).split("\n")
         return Finding("gpu / torch", FAIL, text[0], " ".join(text[1:]))
     if check.driver is None:
-        why = "not checked: the CPU is chosen" if settings.profile != "gpu" and (
-            gpu._device_chosen(env) or gpu._gpus_hidden(env, settings.executor_options.get("gpus"))) \
+        why = (
+            "not checked: the CPU is chosen"
+            if settings.profile != "gpu"
+            and (gpu._device_chosen(env) or gpu._gpus_hidden(env, settings.executor_options.get("gpus")))
             else "no NVIDIA GPU (nvidia-smi lists none)"
+        )
         return Finding("gpu / torch", OK, f"{why}; torch {torch.get('version', '?')} runs on the CPU")
-    return Finding("gpu / torch", OK, f"{len(check.driver.gpus)} x {check.driver.gpus[0]}, driver "
-                                      f"{check.driver.version}; torch {torch.get('version')} built for CUDA "
-                                      f"{torch.get('cuda')} sees {torch.get('devices')} device(s)")
+    return Finding(
+        "gpu / torch",
+        OK,
+        f"{len(check.driver.gpus)} x {check.driver.gpus[0]}, driver "
+        f"{check.driver.version}; torch {torch.get('version')} built for CUDA "
+        f"{torch.get('cuda')} sees {torch.get('devices')} device(s)",
+    )
 
 
 def check_data(settings: Settings, info) -> Finding:
@@ -200,8 +254,12 @@ def check_data(settings: Settings, info) -> Finding:
     what = f"{info.dataset or 'default'} data for the {info.profile or 'default'} profile"
     if problems:
         flags = "".join(f" --{k} {v}" for k, v in (("profile", settings.profile), ("dataset", settings.dataset)) if v)
-        return Finding("data", WARN, f"{what} is not prepared ({problems[0]})",
-                       f"`autoloop run` prepares it before experiment 1; to do it now: python prepare.py{flags}")
+        return Finding(
+            "data",
+            WARN,
+            f"{what} is not prepared ({problems[0]})",
+            f"`autoloop run` prepares it before experiment 1; to do it now: python prepare.py{flags}",
+        )
     return Finding("data", OK, f"{what} is prepared and verifies ({info.manifest.parent})")
 
 
@@ -223,7 +281,7 @@ def model_bytes(settings: Settings, profile: str | None, vocab: int | None) -> t
         values = {c.name: c.value for c in read_constants((settings.repo / "train.py").read_text(), profile)}
         depth, head = int(values["DEPTH"]), int(values.get("HEAD_DIM", 64))
         width = math.ceil(depth * int(values["ASPECT_RATIO"]) / head) * head
-        return 4 * (12 * depth * width ** 2 + 2 * (vocab or VOCAB) * width), False
+        return 4 * (12 * depth * width**2 + 2 * (vocab or VOCAB) * width), False
     except (OSError, KeyError, TypeError, ValueError):
         return 1 << 30, False
 
@@ -237,13 +295,15 @@ def check_disk(settings: Settings, info, slots: int | None = None) -> Finding:
     slots = slots or settings.workers or (len(driver.gpus) if driver else 1)
     n = planned_experiments(settings)
     model, measured = model_bytes(settings, profile, info.vocab if info else None)
-    logs = n * LOG_MB * 2 ** 20 + SPARE_GB * 2 ** 30
+    logs = n * LOG_MB * 2**20 + SPARE_GB * 2**30
     need = (2 + slots) * model + logs
     roomy = need if measured else (2 + slots) * GROWTH * model + logs
     where = settings.repo / ".autoloop"
     free = shutil.disk_usage(where if where.exists() else settings.repo).free
-    text = (f"{free / 2 ** 30:.1f} GiB free at {settings.repo}; {n} experiment{'s' if n != 1 else ''} need about "
-            f"{need / 2 ** 30:.1f} GiB ({2 + slots} models of ~{model / 2 ** 20:.0f} MiB at once, logs, 1 GiB spare)")
+    text = (
+        f"{free / 2**30:.1f} GiB free at {settings.repo}; {n} experiment{'s' if n != 1 else ''} need about "
+        f"{need / 2**30:.1f} GiB ({2 + slots} models of ~{model / 2**20:.0f} MiB at once, logs, 1 GiB spare)"
+    )
     if free < need:
         return Finding("disk", FAIL, text, "free some space, or plan fewer experiments (--max-experiments)")
     if free < roomy:
@@ -255,15 +315,24 @@ def check_extras(settings: Settings) -> Finding:
     installed = {extra for extra, module in EXTRAS.items() if importlib.util.find_spec(module) is not None}
     needed = {NEEDS["proposer"].get(settings.proposer), NEEDS["executor"].get(settings.executor)} - {None}
     missing = sorted(needed - installed)
-    listed = f"installed: {', '.join(sorted(installed)) or 'none'}; not: {', '.join(sorted(set(EXTRAS) - installed)) or 'none'}"
+    absent = sorted(set(EXTRAS) - installed)
+    listed = f"installed: {', '.join(sorted(installed)) or 'none'}; not: {', '.join(absent) or 'none'}"
     if missing:
-        return Finding("extras", FAIL, f"this run needs {', '.join(missing)} ({listed})",
-                       " && ".join(install_hint(m) for m in missing))
-    untracked = sorted(set(settings.trackers) - installed)
+        return Finding(
+            "extras",
+            FAIL,
+            f"this run needs {', '.join(missing)} ({listed})",
+            " && ".join(install_hint(m) for m in missing),
+        )
+    untracked = sorted(set(settings.trackers) & set(EXTRAS) - installed)  # a module:Class tracker brings its own
     if untracked:
-        return Finding("extras", WARN, f"--tracker {', '.join(untracked)} {'is' if len(untracked) == 1 else 'are'} "
-                                       f"not installed: switched off for the night ({listed})",
-                       install_hint(",".join(untracked)))
+        return Finding(
+            "extras",
+            WARN,
+            f"--tracker {', '.join(untracked)} {'is' if len(untracked) == 1 else 'are'} "
+            f"not installed: switched off for the night ({listed})",
+            install_hint(",".join(untracked)),
+        )
     return Finding("extras", OK, listed)
 
 
@@ -271,8 +340,8 @@ def check_trackers(settings: Settings) -> Finding:
     """Each --tracker reachable: a tracker that is not is switched off for the night (it never stops the loop)."""
     said, problems = [], []
     for name in dict.fromkeys(settings.trackers):
-        if importlib.util.find_spec(name) is None:
-            continue  # check_extras says so
+        if name not in EXTRAS or importlib.util.find_spec(name) is None:
+            continue  # check_extras says so; a module:Class tracker is not checked
         if name == "mlflow":
             uri = os.environ.get("MLFLOW_TRACKING_URI", "")
             if uri.startswith(("http://", "https://")):
@@ -280,8 +349,12 @@ def check_trackers(settings: Settings) -> Finding:
                     urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=5).close()
                     said.append(f"mlflow server {uri} answers")
                 except (OSError, ValueError) as e:
-                    problems.append((f"mlflow: cannot reach {uri} ({getattr(e, 'reason', e)})",
-                                     "start the server, or fix MLFLOW_TRACKING_URI"))
+                    problems.append(
+                        (
+                            f"mlflow: cannot reach {uri} ({getattr(e, 'reason', e)})",
+                            "start the server, or fix MLFLOW_TRACKING_URI",
+                        )
+                    )
             else:
                 said.append(f"mlflow store {uri or 'sqlite:///.autoloop/mlflow.db (the default)'}")
         elif name == "wandb":
@@ -293,9 +366,16 @@ def check_trackers(settings: Settings) -> Finding:
             else:
                 problems.append(("wandb: not logged in", "wandb login, or WANDB_MODE=offline"))
     if problems:
-        return Finding("trackers", WARN, "; ".join(p for p, _ in problems) + ": switched off for the night"
-                       + (f" ({'; '.join(said)})" if said else ""), "; ".join(f for _, f in problems))
-    return Finding("trackers", OK, "; ".join(said) or "none chosen (--tracker mlflow|wandb)")
+        return Finding(
+            "trackers",
+            WARN,
+            "; ".join(p for p, _ in problems)
+            + ": switched off for the night"
+            + (f" ({'; '.join(said)})" if said else ""),
+            "; ".join(f for _, f in problems),
+        )
+    chosen = ", ".join(dict.fromkeys(settings.trackers))
+    return Finding("trackers", OK, "; ".join(said) or f"{chosen}: nothing to check")
 
 
 def _netrc_has(host: str) -> bool:
@@ -314,14 +394,25 @@ def check_proposer(settings: Settings, info) -> Finding:
     try:
         cls = load(settings.proposer)
         with tempfile.TemporaryDirectory() as tmp:
-            proposer = cls(Context(repo=settings.repo, tag=settings.tag, seed=settings.seed,
-                                   profile=(info.profile if info else None) or settings.profile,
-                                   options=dict(settings.options), spend=Spend(Path(tmp) / "spend.jsonl"),
-                                   pass_env=tuple(settings.pass_env)))
+            proposer = cls(
+                Context(
+                    repo=settings.repo,
+                    tag=settings.tag,
+                    seed=settings.seed,
+                    profile=(info.profile if info else None) or settings.profile,
+                    options=dict(settings.options),
+                    spend=Spend(Path(tmp) / "spend.jsonl"),
+                    pass_env=tuple(settings.pass_env),
+                )
+            )
             proposer.close()
     except LoopError as e:
-        return Finding("proposer", FAIL, str(e).split("; ")[0], str(e).partition("; ")[2] or
-                       "see `autoloop proposers` and `autoloop run --help`")
+        return Finding(
+            "proposer",
+            FAIL,
+            str(e).split("; ")[0],
+            str(e).partition("; ")[2] or "see `autoloop proposers` and `autoloop run --help`",
+        )
     return Finding("proposer", OK, f"{settings.proposer} loads with these options")
 
 
@@ -335,17 +426,29 @@ def check_agent(options: dict) -> Finding:
         return Finding("agent", FAIL, str(e), "see `autoloop run --help` (--agent, --agent-cmd)")
     exe = shutil.which(argv[0]) or (argv[0] if Path(argv[0]).exists() else None)
     if exe is None:
-        return Finding("agent", FAIL, f"agent command {argv[0]!r} not found on PATH",
-                       f"install it (or put it on PATH), or choose another with --agent / --agent-cmd")
+        return Finding(
+            "agent",
+            FAIL,
+            f"agent command {argv[0]!r} not found on PATH",
+            "install it (or put it on PATH), or choose another with --agent / --agent-cmd",
+        )
     if options.get("agent_cmd"):
         return Finding("agent", OK, f"{exe} (a custom --agent-cmd: not asked to answer)")
     try:
         proc = answer([exe, "--version"])
     except (OSError, subprocess.TimeoutExpired) as e:
-        return Finding("agent", FAIL, f"{exe} --version did not answer ({type(e).__name__})",
-                       "run it by hand: it may wait for a login or an update prompt")
+        return Finding(
+            "agent",
+            FAIL,
+            f"{exe} --version did not answer ({type(e).__name__})",
+            "run it by hand: it may wait for a login or an update prompt",
+        )
     out = (proc.stdout.strip() or proc.stderr.strip()).splitlines()
     if proc.returncode != 0:
-        return Finding("agent", FAIL, f"{exe} --version failed (exit {proc.returncode}: {out[-1] if out else ''})",
-                       f"run `{argv[0]} --version` by hand, and log in (`{argv[0]}` interactively) if it asks")
+        return Finding(
+            "agent",
+            FAIL,
+            f"{exe} --version failed (exit {proc.returncode}: {out[-1] if out else ''})",
+            f"run `{argv[0]} --version` by hand, and log in (`{argv[0]}` interactively) if it asks",
+        )
     return Finding("agent", OK, f"{exe}: {out[0] if out else 'answers'} (log in once by hand if it has not been)")

@@ -1,4 +1,7 @@
-"""Settings of a run: flat and typed, field names as the command line's options (precedence lives in cli.py)."""
+"""Settings of a run: flat and typed, field names as the command line's options (precedence lives in cli.py).
+
+cli.py fills each field from the option of its name (a new option needs a field of its name, or an entry in
+cli.OPTION_OF); fields no option sets keep their defaults here."""
 
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ class Settings:
     executor: str = "local"  # a registered executor: local | ray | inline | a plugin's
     workers: int | None = None  # experiments at once; default: one per GPU (local) or per cluster GPU (ray)
     executor_options: dict = field(default_factory=dict)  # the executor's own options (gpus, ray_address, ...)
-    trackers: tuple[str, ...] = ()  # experiment trackers the session is mirrored to: mlflow, wandb (tracking.py)
+    trackers: tuple[str, ...] = ()  # trackers the session is mirrored to (--tracker): mlflow, wandb, ... (trackers/)
 
     @property
     def hard_timeout(self) -> float:
