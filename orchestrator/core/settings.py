@@ -1,7 +1,7 @@
 """Settings of a run: flat and typed, field names as the command line's options (precedence lives in cli.py).
 
 cli.py fills each field from the option of its name (a new option needs a field of its name, or an entry in
-cli.OPTION_OF); fields no option sets keep their defaults here."""
+options.OPTION_OF); fields no option sets keep their defaults here."""
 
 from __future__ import annotations
 
