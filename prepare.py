@@ -28,6 +28,7 @@ if __name__ == "__main__" and "--evaluate" in sys.argv and sys.platform.startswi
     os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
 
 import argparse
+import glob
 import hashlib
 import http.client
 import itertools
@@ -220,35 +221,64 @@ def _python_documents(roots, skip=(), max_bytes=None):
     return sorted(docs)
 
 
-def pystdlib_documents():
-    """(relative path, text, held directory) of the running Python's standard library sources, sorted by path."""
-    return _python_documents([sysconfig.get_paths()["stdlib"]],
-                             skip={"site-packages", "dist-packages", "__pycache__"})
-
-
-def pypackages_documents():
-    """(relative path, text, held directory) of the Python sources of every installed package (site-packages)."""
+def python_roots(dataset):
+    """The directories an offline corpus is read from."""
+    if dataset == "pystdlib":
+        return [sysconfig.get_paths()["stdlib"]]
     import site
 
     roots = {os.path.realpath(p) for p in [*site.getsitepackages(), site.getusersitepackages(),
                                            sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]}
-    return _python_documents(sorted(r for r in roots if os.path.isdir(r)), skip={"__pycache__"},
-                             max_bytes=PYPACKAGES_MAX_FILE_BYTES)
+    return sorted(r for r in roots if os.path.isdir(r))
 
 
-def held_out_of_reach(documents, source):
+def pystdlib_documents():
+    """(relative path, text, held directory) of the running Python's standard library sources, sorted by path."""
+    return _python_documents(python_roots("pystdlib"), skip={"site-packages", "dist-packages", "__pycache__"})
+
+
+def pypackages_documents():
+    """(relative path, text, held directory) of the Python sources of every installed package (site-packages)."""
+    return _python_documents(python_roots("pypackages"), skip={"__pycache__"}, max_bytes=PYPACKAGES_MAX_FILE_BYTES)
+
+
+def held_directories(roots):
+    """The outermost test-suite directories (HELD_DIRS) under roots, not following links."""
+    found = set()
+    for root in roots:
+        for top, dirs, _ in os.walk(root):
+            for name in [d for d in dirs if d in HELD_DIRS]:
+                found.add(os.path.join(top, name))
+                dirs.remove(name)  # its own test/ subdirectories are inside it
+    return found
+
+
+def other_pythons():
+    """The library trees of the machine's other Pythons (other versions, environments, the system's): their
+    test suites hold copies of the scored files, byte for byte, so the sandbox hides those too."""
+    here = {os.path.realpath(sysconfig.get_paths()[key]) for key in ("stdlib", "purelib", "platlib")}
+    patterns = [os.path.join(os.path.dirname(sys.base_prefix), "*", "lib", "python3*"),  # pyenv versions, conda envs
+                os.path.join(sys.base_prefix, "envs", "*", "lib", "python3*"), os.path.join(sys.prefix, "lib", "python3*"),
+                "/usr/lib/python3*", "/usr/local/lib/python3*", "/opt/*/lib/python3*", "/opt/conda/envs/*/lib/python3*",
+                os.path.expanduser("~/.local/lib/python3*"), os.path.expanduser("~/.pyenv/versions/*/lib/python3*")]
+    trees = {os.path.realpath(t) for pattern in patterns for t in glob.glob(pattern) if os.path.isdir(t)}
+    return sorted(t for t in trees if not any(t == h or h.startswith(t + os.sep) for h in here)) + sorted(here)
+
+
+def held_out_of_reach(documents, source, roots=()):
     """(docs, held names or None, hidden directories) for an offline corpus: scored only on the test-suite files
-    when there are enough of them (the sandbox hides their directories from training), else the hash split."""
+    when there are enough of them, else the hash split. Hidden from training: the test suites under the corpus's
+    roots (a file skipped as a second copy of a path included) and those of the machine's other Pythons."""
     docs = [(name, text) for name, text, _ in documents]
     held = {name: where for name, text, where in documents if where}
-    size = sum(len(text) for name, text, where in documents if where)
+    size = sum(len(text.encode("utf-8", "replace")) for name, text, where in documents if where)
     if size < HELD_MIN_BYTES:
         log(f"warning: this Python has only {size / 1e6:.2f} MB of test suites (need {HELD_MIN_BYTES / 1e6:.1f}), "
             f"so the {source} corpus is split by hash and a training run can read the source files of its "
             "validation split (and train on them). Install the test suite (Debian: libpython3-testsuite) or use "
             "--dataset /path/to/dir, whose source the sandbox hides")
         return docs, None, []
-    return docs, set(held), sorted(set(held.values()))
+    return docs, set(held), sorted(set(held.values()) | held_directories([*roots, *other_pythons()]))
 
 
 def local_documents(directory):
@@ -629,8 +659,8 @@ def prepare(dataset=DATASET, num_shards=None, base_url=None, force=False):
         log(f"Already prepared and verified: {MANIFEST_PATH}")
         return load_manifest()
     if dataset in OFFLINE:
-        docs, held, hidden = held_out_of_reach(
-            pystdlib_documents() if dataset == "pystdlib" else pypackages_documents(), dataset)
+        documents, roots = pystdlib_documents() if dataset == "pystdlib" else pypackages_documents(), python_roots(dataset)
+        docs, held, hidden = held_out_of_reach(documents, dataset, roots)
         splits = write_document_splits(docs, OFFLINE_SOURCES[dataset], held, hidden)
     elif dataset in ONLINE:
         splits = prepare_online(dataset, base_url=base_url, num_shards=num_shards)

@@ -6,8 +6,6 @@ What counts is the harness's measurement of the saved model, never the number tr
 
 from __future__ import annotations
 
-import json
-import os
 import secrets
 import site
 import statistics
@@ -27,6 +25,7 @@ from ..store.session import write_status
 from ..trust import redaction
 from ..trust.evaluation import RESULT, audit_clock, compare_printed, evaluator_flags, read_evaluation, read_result
 from ..trust.guard import new_violations
+from ..trust.harness import evaluation_data
 from ..trust.summary import environment_error, last_error_line, parse_summary, read_tail, val_bpb_of
 from .plan import Ideas, Kind, Planned, as_running, parent_run
 from .progress import Progress, format_eta, last_step
@@ -172,20 +171,6 @@ def corpus_source(ws: Workspace) -> tuple[str, ...]:
     if any(path.resolve().is_relative_to(dataset.resolve()) for path in inside):
         return ()
     return (str(dataset),)
-
-
-def evaluation_data(manifest: Path | None) -> tuple[str, ...]:
-    """The validation and held-out files of the prepared data, and the directories of an offline corpus's sources
-    they were made from (the sandbox hides them from the training step)."""
-    if manifest is None:
-        return ()  # a harness without a manifest (upstream's): nothing known to hide
-    try:
-        recorded = json.loads(manifest.read_text())
-        splits = recorded["splits"]
-        files = tuple(str(manifest.parent / "data" / rel) for key in ("val", "holdout") for rel in splits[key])
-        return files + tuple(str(path) for path in recorded.get("hidden_sources", ()) if os.path.isabs(str(path)))
-    except (AttributeError, OSError, ValueError, KeyError, TypeError):
-        return ()  # a harness without a manifest (upstream's): nothing known to hide
 
 
 def submit(ws: Workspace, executor: Executor, job: Job, slot: Slot, record: Record) -> Handle:

@@ -27,6 +27,7 @@ from pathlib import Path
 import click
 
 from ..trust.confine import allowed_env
+from ..trust.harness import evaluation_data
 from .base import OUT, SCRATCH_DIRS, Executor, Handle, Job, JobResult, Slot, StepResult, run_steps
 
 SHIPPED_ENV = ("PYTHONUNBUFFERED", "OMP_NUM_THREADS")  # besides every AUTOLOOP_* variable
@@ -99,6 +100,11 @@ def _node_job(spec: dict, files: dict[str, bytes], inputs: dict[str, bytes], sta
         env = {**allowed_env(), **spec["env"], "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "")}
         if spec["prepare"] and (src / "prepare.py").exists() and (error := prepare_data(src, out, env)):
             return {"infra_error": error, "outputs": {"prepare.log": (out / "prepare.log").read_bytes()}}
+        # what the training step may not read: the controller's list (valid where the node's paths are the
+        # same) and the validation data of every prepared manifest in this node's cache
+        cache = Path(env.get("AUTOLOOP_CACHE") or "~/.cache/autoloop").expanduser()
+        node_hidden = [p for m in sorted(cache.glob("*/manifest-*.json")) for p in evaluation_data(m)]
+        step_hidden = [tuple(spec["step_hidden"][0] if spec["step_hidden"] else ()) + tuple(node_hidden)]
         job = Job(
             steps=spec["steps"],
             logs=spec["logs"],
@@ -111,6 +117,7 @@ def _node_job(spec: dict, files: dict[str, bytes], inputs: dict[str, bytes], sta
             log_cap=spec["log_cap"],
             step_stdin=spec["step_stdin"],
             sandbox=spec["sandbox"],
+            step_hidden=step_hidden,
         )
         result = run_steps(job, src, out, {})
         return {
@@ -332,6 +339,7 @@ class RayExecutor(Executor):
             "log_cap": job.log_cap,
             "step_stdin": job.step_stdin,
             "sandbox": job.sandbox,
+            "step_hidden": [list(hidden) for hidden in job.step_hidden],
         }
         inputs = {name: Path(path).read_bytes() for name, path in job.inputs.items()}
         options = {"num_gpus": self.gpus_per_task, "num_cpus": self.cpus_per_task}

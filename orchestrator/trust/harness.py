@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -188,3 +189,17 @@ def prepare(workdir: Path, env: dict[str, str], echo=print, force: bool = False)
         raise
     if proc.wait() != 0:
         raise LoopError(f"prepare.py failed (exit {proc.returncode}): {' | '.join(tail)}")
+
+
+def evaluation_data(manifest: Path | None) -> tuple[str, ...]:
+    """The validation and held-out files of the prepared data, and the directories of an offline corpus's sources
+    they were made from (the sandbox hides them from the training step)."""
+    if manifest is None:
+        return ()  # a harness without a manifest (upstream's): nothing known to hide
+    try:
+        recorded = json.loads(manifest.read_text())
+        splits = recorded["splits"]
+        files = tuple(str(manifest.parent / "data" / rel) for key in ("val", "holdout") for rel in splits[key])
+        return files + tuple(str(path) for path in recorded.get("hidden_sources", ()) if os.path.isabs(str(path)))
+    except (AttributeError, OSError, ValueError, KeyError, TypeError):
+        return ()  # a harness without a manifest (upstream's): nothing known to hide
