@@ -50,9 +50,22 @@ def aider(argv: list[str]) -> int:
     p.add_argument("--map-tokens", type=int)
     p.add_argument("--chat-history-file", default=".aider.chat.history.md")
     p.add_argument("--input-history-file", default=".aider.input.history")
-    for flag in ("git", "gitignore", "auto-commits", "show-model-warnings", "analytics", "check-update",
-                 "show-release-notes", "detect-urls", "suggest-shell-commands", "auto-lint", "auto-test", "pretty",
-                 "stream", "fancy-input"):
+    for flag in (
+        "git",
+        "gitignore",
+        "auto-commits",
+        "show-model-warnings",
+        "analytics",
+        "check-update",
+        "show-release-notes",
+        "detect-urls",
+        "suggest-shell-commands",
+        "auto-lint",
+        "auto-test",
+        "pretty",
+        "stream",
+        "fancy-input",
+    ):
         p.add_argument(f"--{flag}", action=BOOL, default=None)
     args = p.parse_args(argv)
     if args.analytics is not False and args.yes_always:
@@ -61,8 +74,10 @@ def aider(argv: list[str]) -> int:
         home.mkdir(parents=True, exist_ok=True)
         (home / "analytics.json").write_text(json.dumps({"asked_opt_in": True, "permanently_disable": False}))
     if args.check_update is not False and os.environ.get("AUTOLOOP_TEST_AIDER_NEWER") and args.yes_always:
-        print("Newer aider version v0.99.0 is available.\nRun pip install? (Y)es/(N)o [Yes]: y\n"
-              "Re-run aider to use new version.")
+        print(
+            "Newer aider version v0.99.0 is available.\nRun pip install? (Y)es/(N)o [Yes]: y\n"
+            "Re-run aider to use new version."
+        )
         return 0
     prompt = Path(args.message_file).read_text()
     with open(args.chat_history_file, "a") as history:  # always, as aider does: /dev/null keeps it out
@@ -80,15 +95,15 @@ def claude(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="claude")
     p.add_argument("-p", "--print", action="store_true", required=True)
     p.add_argument("prompt")
-    p.add_argument("--permission-mode", choices=["default", "acceptEdits", "bypassPermissions", "plan"],
-                   default="default")
+    p.add_argument(
+        "--permission-mode", choices=["default", "acceptEdits", "bypassPermissions", "plan"], default="default"
+    )
     p.add_argument("--output-format", choices=["text", "json", "stream-json"], default="text")
     args = p.parse_args(argv)
     target = description_path(args.prompt)
     for path in (Path("train.py"), target):
         if args.permission_mode != "acceptEdits" or not inside_cwd(path):
-            print(f"Claude requested permissions to write to {path}, but you haven't granted it yet.",
-                  file=sys.stderr)
+            print(f"Claude requested permissions to write to {path}, but you haven't granted it yet.", file=sys.stderr)
             return 1
     desc = edit()
     if not os.environ.get("AUTOLOOP_TEST_NO_DESCRIPTION"):
@@ -97,11 +112,27 @@ def claude(argv: list[str]) -> int:
     if args.output_format == "text":
         print(result)
     else:
-        print(json.dumps({"type": "result", "subtype": "success", "is_error": False, "duration_ms": 1234,
-                          "num_turns": 3, "result": result, "session_id": "fake", "total_cost_usd": 0.0421,
-                          "usage": {"input_tokens": 12, "cache_creation_input_tokens": 3000,
-                                    "cache_read_input_tokens": 9000, "output_tokens": 450,
-                                    "service_tier": "standard"}}))
+        print(
+            json.dumps(
+                {
+                    "type": "result",
+                    "subtype": "success",
+                    "is_error": False,
+                    "duration_ms": 1234,
+                    "num_turns": 3,
+                    "result": result,
+                    "session_id": "fake",
+                    "total_cost_usd": 0.0421,
+                    "usage": {
+                        "input_tokens": 12,
+                        "cache_creation_input_tokens": 3000,
+                        "cache_read_input_tokens": 9000,
+                        "output_tokens": 450,
+                        "service_tier": "standard",
+                    },
+                }
+            )
+        )
     return 0
 
 
@@ -120,12 +151,16 @@ def codex(argv: list[str]) -> int:
     desc = edit()
     if not os.environ.get("AUTOLOOP_TEST_NO_DESCRIPTION"):
         target.write_text(desc + "\n")
-    events = [{"type": "thread.started", "thread_id": "fake"}, {"type": "turn.started"},
-              {"type": "item.completed", "item": {"id": "item_0", "type": "reasoning", "text": "thinking"}},
-              {"type": "item.completed", "item": {"id": "item_1", "type": "agent_message",
-                                                  "text": f"Done.\n{desc} (said codex)"}},
-              {"type": "turn.completed", "usage": {"input_tokens": 5000, "cached_input_tokens": 4000,
-                                                   "output_tokens": 300}}]
+    events = [
+        {"type": "thread.started", "thread_id": "fake"},
+        {"type": "turn.started"},
+        {"type": "item.completed", "item": {"id": "item_0", "type": "reasoning", "text": "thinking"}},
+        {
+            "type": "item.completed",
+            "item": {"id": "item_1", "type": "agent_message", "text": f"Done.\n{desc} (said codex)"},
+        },
+        {"type": "turn.completed", "usage": {"input_tokens": 5000, "cached_input_tokens": 4000, "output_tokens": 300}},
+    ]
     print("\n".join(json.dumps(e) for e in events) if args.json else f"{desc} (said codex)")
     return 0
 
@@ -134,5 +169,7 @@ if __name__ == "__main__":
     if sys.argv[2:] == ["--version"]:  # as the real ones answer (autoloop's preflight asks)
         if os.environ.get("AUTOLOOP_TEST_CLI_BROKEN"):
             sys.exit(f"{sys.argv[1]}: error: not logged in")
-        sys.exit(print({"aider": "aider 0.86.1", "claude": "2.0.14 (Claude Code)", "codex": "codex-cli 0.46.0"}[sys.argv[1]]))
+        sys.exit(
+            print({"aider": "aider 0.86.1", "claude": "2.0.14 (Claude Code)", "codex": "codex-cli 0.46.0"}[sys.argv[1]])
+        )
     sys.exit({"aider": aider, "claude": claude, "codex": codex}[sys.argv[1]](sys.argv[2:]))

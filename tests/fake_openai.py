@@ -33,13 +33,22 @@ class FakeOpenAI:
                     payload = {"error": {"message": "fake server error", "type": "server_error"}}
                 else:
                     payload = {
-                        "id": "chatcmpl-fake", "object": "chat.completion", "created": int(time.time()),
+                        "id": "chatcmpl-fake",
+                        "object": "chat.completion",
+                        "created": int(time.time()),
                         "model": body.get("model", "fake"),
-                        "choices": [{"index": 0, "finish_reason": "stop",
-                                     "message": {"role": "assistant", "content": reply["content"]}}],
-                        "usage": {"prompt_tokens": reply.get("prompt_tokens", 100),
-                                  "completion_tokens": reply.get("completion_tokens", 20),
-                                  "total_tokens": reply.get("prompt_tokens", 100) + reply.get("completion_tokens", 20)},
+                        "choices": [
+                            {
+                                "index": 0,
+                                "finish_reason": "stop",
+                                "message": {"role": "assistant", "content": reply["content"]},
+                            }
+                        ],
+                        "usage": {
+                            "prompt_tokens": reply.get("prompt_tokens", 100),
+                            "completion_tokens": reply.get("completion_tokens", 20),
+                            "total_tokens": reply.get("prompt_tokens", 100) + reply.get("completion_tokens", 20),
+                        },
                     }
                 data = json.dumps(payload).encode()
                 self.send_response(status)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from orchestrator.proposers import Proposer
 
-SUMMARY = '''
+SUMMARY = """
 print("---")
 print(f"val_bpb:          {BPB:.6f}")
 print("training_seconds: 0.1")
@@ -20,12 +20,14 @@ print("total_tokens_M:   0.1")
 print("num_steps:        3")
 print("num_params_M:     0.1")
 print("depth:            2")
-'''
+"""
 
 
 def ok(bpb: float = 1.0, sleep: float = 0.0) -> str:
-    return (f'"""fake train.py"""\nimport time\n\n# Hyperparameters\nBPB = {bpb!r}  # [0.1, 10.0]\n'
-            f'SLEEP = {sleep!r}  # [fixed]\n\ntime.sleep(SLEEP)\nprint("step 00001 | loss: 1.0")\n' + SUMMARY)
+    return (
+        f'"""fake train.py"""\nimport time\n\n# Hyperparameters\nBPB = {bpb!r}  # [0.1, 10.0]\n'
+        f'SLEEP = {sleep!r}  # [fixed]\n\ntime.sleep(SLEEP)\nprint("step 00001 | loss: 1.0")\n' + SUMMARY
+    )
 
 
 def crash() -> str:
@@ -50,15 +52,16 @@ def fake_then_real(bpb: float) -> str:
 
 
 def grandchild(pidfile: Path, then: str = "hang") -> str:
-    """Spawns a grandchild that ignores SIGTERM and writes its pid; then hangs or exits normally."""
-    tail = "time.sleep(3600)" if then == "hang" else 'BPB = 1.5\n' + SUMMARY
-    return f'''import subprocess, sys, time
+    """Spawns a grandchild that ignores SIGTERM, leaves the process group (its own session, as a server or a
+    DataLoader worker that calls setsid) and writes its pid; then hangs or exits normally."""
+    tail = "time.sleep(3600)" if then == "hang" else "BPB = 1.5\n" + SUMMARY
+    return f"""import subprocess, sys, time
 code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(3600)"
-p = subprocess.Popen([sys.executable, "-c", code])
+p = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
 open({str(pidfile)!r}, "w").write(str(p.pid))
 time.sleep(0.3)
 {tail}
-'''
+"""
 
 
 def modifies_prepare() -> str:

@@ -7,29 +7,42 @@ import subprocess
 import sys
 
 import click
+import fakes
 import git
 import pytest
 from click.core import ParameterSource
 from click.testing import CliRunner
-
-import fakes
 from conftest import CLOCK_SLACK, ROOT, make_repo, subprocess_env
+
 from orchestrator.cli import main, settings_from
 from orchestrator.store.ledger import read_record, read_rows
 from orchestrator.store.session import Paths
 
 
 def autoloop(*args, env=None, timeout=300):
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True,
-                          env=env or subprocess_env(), timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env or subprocess_env(),
+        timeout=timeout,
+    )
 
 
 def test_help_lists_every_run_option_with_its_env_twin():
     out = CliRunner().invoke(main, ["run", "--help"]).output
-    for opt, env in [("--budget", "AUTOLOOP_BUDGET"), ("--max-experiments", "AUTOLOOP_MAX_EXPERIMENTS"),
-                     ("--max-hours", "AUTOLOOP_MAX_HOURS"), ("--proposer", "AUTOLOOP_PROPOSER"),
-                     ("--tag", "AUTOLOOP_TAG"), ("--timeout", "AUTOLOOP_TIMEOUT"), ("--repo", "AUTOLOOP_REPO"),
-                     ("--profile", "AUTOLOOP_PROFILE"), ("--dataset", "AUTOLOOP_DATASET"), ("--seed", "AUTOLOOP_SEED")]:
+    for opt, env in [
+        ("--budget", "AUTOLOOP_BUDGET"),
+        ("--max-experiments", "AUTOLOOP_MAX_EXPERIMENTS"),
+        ("--max-hours", "AUTOLOOP_MAX_HOURS"),
+        ("--proposer", "AUTOLOOP_PROPOSER"),
+        ("--tag", "AUTOLOOP_TAG"),
+        ("--timeout", "AUTOLOOP_TIMEOUT"),
+        ("--repo", "AUTOLOOP_REPO"),
+        ("--profile", "AUTOLOOP_PROFILE"),
+        ("--dataset", "AUTOLOOP_DATASET"),
+        ("--seed", "AUTOLOOP_SEED"),
+    ]:
         assert opt in out and env in out
 
 
@@ -48,17 +61,30 @@ def help_sections(command: str) -> dict[str, str]:
 @pytest.mark.parametrize("command", ["run", "doctor"])
 def test_help_lists_the_options_in_sections_each_option_in_exactly_one(command):
     sections = help_sections(command)
-    assert list(sections) == ["Session", "Limits", "Noise gate", "Safety", "Execution", "Proposer", "Tracking",
-                              "Output"]
+    assert list(sections) == [
+        "Session",
+        "Limits",
+        "Noise gate",
+        "Safety",
+        "Execution",
+        "Proposer",
+        "Tracking",
+        "Output",
+    ]
     cmd = main.commands[command]
     ctx = click.Context(cmd)
     for param in cmd.get_params(ctx):  # the plugins' options and --help included
         first = param.get_help_record(ctx)[0]  # e.g. "--budget FLOAT RANGE", "-h, --help"
         holding = [t for t, text in sections.items() if re.search(rf"^  {re.escape(first)}(  |$)", text, re.M)]
         assert len(holding) == 1, (first, holding)
-    for title, flag in [("Limits", "--max-experiments"), ("Noise gate", "--false-keep-rate"),
-                        ("Safety", "--sandbox-net"), ("Execution", "--gpus"), ("Proposer", "--agent-cmd"),
-                        ("Tracking", "--tracker")]:
+    for title, flag in [
+        ("Limits", "--max-experiments"),
+        ("Noise gate", "--false-keep-rate"),
+        ("Safety", "--sandbox-net"),
+        ("Execution", "--gpus"),
+        ("Proposer", "--agent-cmd"),
+        ("Tracking", "--tracker"),
+    ]:
         assert re.search(rf"^  {flag} ", sections[title], re.M), (title, flag)
     assert [p.name for p in cmd.params] == [p.name for p in main.commands["run"].params]  # doctor: run's options
 
@@ -79,8 +105,10 @@ def test_every_run_option_has_its_env_twin_named_after_it():
 def test_pyproject_is_the_default_map_below_the_command_line_and_env(tmp_path, monkeypatch):
     """[tool.autoloop] reaches Settings as click's default_map: command line > env > pyproject > default. A value
     the command line or env overrides is never checked (the file's bad tag)."""
-    (tmp_path / "pyproject.toml").write_text('[tool.autoloop]\nbudget = 7\nseed = 3\nmax-experiments = 4\n'
-                                             'tracker = "mlflow"\nfalse_keep_rate = 0.05\ntag = "a b"\n')
+    (tmp_path / "pyproject.toml").write_text(
+        "[tool.autoloop]\nbudget = 7\nseed = 3\nmax-experiments = 4\n"
+        'tracker = "mlflow"\nfalse_keep_rate = 0.05\ntag = "a b"\n'
+    )
     for param in main.commands["run"].params:
         monkeypatch.delenv(param.envvar, raising=False)
     monkeypatch.setenv("AUTOLOOP_SEED", "5")
@@ -88,8 +116,11 @@ def test_pyproject_is_the_default_map_below_the_command_line_and_env(tmp_path, m
     monkeypatch.setenv("AUTOLOOP_TAG", "fromenv")
     ctx = main.commands["run"].make_context("run", ["--max-experiments", "9", "--repo", str(tmp_path)])
     assert {name: ctx.get_parameter_source(name) for name in ("max_experiments", "seed", "budget", "min_delta")} == {
-        "max_experiments": ParameterSource.COMMANDLINE, "seed": ParameterSource.ENVIRONMENT,
-        "budget": ParameterSource.DEFAULT_MAP, "min_delta": ParameterSource.DEFAULT}
+        "max_experiments": ParameterSource.COMMANDLINE,
+        "seed": ParameterSource.ENVIRONMENT,
+        "budget": ParameterSource.DEFAULT_MAP,
+        "min_delta": ParameterSource.DEFAULT,
+    }
     settings = settings_from(ctx, dict(ctx.params))
     assert (settings.max_experiments, settings.seed, settings.budget, settings.gate.min_delta) == (9, 5, 7.0, 0.0)
     assert settings.trackers == ("mlflow",) and settings.gate.alpha == 0.05  # a name for a list; another spelling
@@ -97,8 +128,10 @@ def test_pyproject_is_the_default_map_below_the_command_line_and_env(tmp_path, m
 
 
 def test_help_does_not_import_torch():
-    code = "import sys; from orchestrator.cli import main\ntry:\n main(['--help'])\nexcept SystemExit: pass\n" \
-           "print('torch' in sys.modules)"
+    code = (
+        "import sys; from orchestrator.cli import main\ntry:\n main(['--help'])\nexcept SystemExit: pass\n"
+        "print('torch' in sys.modules)"
+    )
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip().endswith("False")
 
 
@@ -124,7 +157,9 @@ def test_more_workers_than_gpus_is_a_clear_error(fake_repo):
 
 
 def test_precedence_cli_over_env_over_pyproject(tmp_path):
-    plan = fakes.write_plan(tmp_path / "plan.json", [{"description": f"s{i}", "train": fakes.ok(0.9)} for i in range(5)])
+    plan = fakes.write_plan(
+        tmp_path / "plan.json", [{"description": f"s{i}", "train": fakes.ok(0.9)} for i in range(5)]
+    )
     pyproject = '[tool.autoloop]\nmax-experiments = 2\nbudget = 7\ntag = "fromfile"\nproposer = "fakes:Scripted"\n'
     repo = tmp_path / "repo"
     make_repo(repo, {"train.py": fakes.ok(1.0), "pyproject.toml": pyproject})
@@ -135,8 +170,7 @@ def test_precedence_cli_over_env_over_pyproject(tmp_path):
     assert "budget 5s" in proc.stdout  # environment beats pyproject
     assert len(read_rows(repo / ".autoloop" / "fromcli" / "results.tsv")) == 2  # pyproject beats the default
     assert "timeout 130s" in proc.stdout  # default: 2 x budget + 120
-    both = autoloop("run", "--repo", str(repo), "--tag", "fromcli2", "--budget", "3", "--max-experiments", "1",
-                    env=env)
+    both = autoloop("run", "--repo", str(repo), "--tag", "fromcli2", "--budget", "3", "--max-experiments", "1", env=env)
     assert both.returncode == 0 and "budget 3s" in both.stdout, both.stdout + both.stderr  # command line beats env
 
 
@@ -175,14 +209,32 @@ def test_end_to_end_with_the_real_train_py(tiny_env, tmp_path):
     profile, CPU): the baseline and its repeats measure σ, then two queued edits train for real."""
     repo = tmp_path / "proj"
     make_repo(repo, {name: (ROOT / name).read_text() for name in ("prepare.py", "train.py", ".gitignore")})
-    env = dict(tiny_env, **CLOCK_SLACK, PYTHONPATH=subprocess_env()["PYTHONPATH"])  # no AUTOLOOP_BASELINE_REPEATS: the default
+    env = dict(
+        tiny_env, **CLOCK_SLACK, PYTHONPATH=subprocess_env()["PYTHONPATH"]
+    )  # no AUTOLOOP_BASELINE_REPEATS: the default
     user = git.Repo(repo)
     before = user.git.status("--porcelain")
     for name, value in (("MATRIX_LR", "0.03"), ("WARMDOWN_RATIO", "0.4")):
-        assert autoloop("queue", "add", f"{name} to {value}", "--set", f"{name}={value}", "--repo", str(repo),
-                        env=env).returncode == 0
-    proc = autoloop("run", "--repo", str(repo), "--budget", "2", "--max-experiments", "5", "--tag", "e2e",
-                    "--proposer", "perturb", env=env)
+        assert (
+            autoloop(
+                "queue", "add", f"{name} to {value}", "--set", f"{name}={value}", "--repo", str(repo), env=env
+            ).returncode
+            == 0
+        )
+    proc = autoloop(
+        "run",
+        "--repo",
+        str(repo),
+        "--budget",
+        "2",
+        "--max-experiments",
+        "5",
+        "--tag",
+        "e2e",
+        "--proposer",
+        "perturb",
+        env=env,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = read_rows(repo / "results.tsv")
     # three baseline runs (one more for each repeat a busy machine slowed: run again, not counted), then the ideas
@@ -207,10 +259,28 @@ def test_two_workers_with_the_real_train_py(tiny_env, tmp_path):
     """`autoloop run --workers 2` on CPU slots (tiny profile): two real trainings at once, one worktree each."""
     repo = tmp_path / "proj"
     make_repo(repo, {name: (ROOT / name).read_text() for name in ("prepare.py", "train.py", ".gitignore")})
-    env = dict(tiny_env, **CLOCK_SLACK, **{k: v for k, v in subprocess_env().items() if k in ("PYTHONPATH", "AUTOLOOP_BASELINE_REPEATS")})
+    env = dict(
+        tiny_env,
+        **CLOCK_SLACK,
+        **{k: v for k, v in subprocess_env().items() if k in ("PYTHONPATH", "AUTOLOOP_BASELINE_REPEATS")},
+    )
     assert autoloop("queue", "add", "lower LR", "--set", "MATRIX_LR=0.03", "--repo", str(repo), env=env).returncode == 0
-    proc = autoloop("run", "--repo", str(repo), "--budget", "2", "--max-experiments", "4", "--tag", "w2",
-                    "--workers", "2", "--proposer", "perturb", env=env)
+    proc = autoloop(
+        "run",
+        "--repo",
+        str(repo),
+        "--budget",
+        "2",
+        "--max-experiments",
+        "4",
+        "--tag",
+        "w2",
+        "--workers",
+        "2",
+        "--proposer",
+        "perturb",
+        env=env,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "2 slot(s): cpu, cpu | generations of 2 runs" in proc.stdout
     rows = read_rows(repo / "results.tsv")

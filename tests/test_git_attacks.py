@@ -6,25 +6,38 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import fakes
 import git
 
-import fakes
-from orchestrator.store.ledger import read_rows
 from orchestrator.loop import Settings, run_loop
+from orchestrator.store.ledger import read_rows
 from orchestrator.store.session import Paths
 
 # What every attack starts with: the run's worktree's administrative directory, and the repository's git dir,
 # found as the run would (from its own .git file, before it touches anything).
-FIND = ("from pathlib import Path\nimport os, subprocess\n"
-        "admin = Path(Path('.git').read_text().split(':', 1)[1].strip())\ncommon = admin.parent.parent\n")
+FIND = (
+    "from pathlib import Path\nimport os, subprocess\n"
+    "admin = Path(Path('.git').read_text().split(':', 1)[1].strip())\ncommon = admin.parent.parent\n"
+)
 
 
 def loop(repo: Path, steps: list[dict], plan: Path, tag: str = "g") -> list:
     """The loop over the baseline and steps (proposed by fakes:Scripted), unconfined; its rows."""
     fakes.write_plan(plan, steps)
-    run_loop(Settings(repo=repo, tag=tag, budget=1.0, timeout=30.0, proposer="fakes:Scripted", baseline_repeats=0,
-                      max_experiments=len(steps) + 1, max_crashes=len(steps) + 1, sandbox="off"),
-             echo=lambda line: None)
+    run_loop(
+        Settings(
+            repo=repo,
+            tag=tag,
+            budget=1.0,
+            timeout=30.0,
+            proposer="fakes:Scripted",
+            baseline_repeats=0,
+            max_experiments=len(steps) + 1,
+            max_crashes=len(steps) + 1,
+            sandbox="off",
+        ),
+        echo=lambda line: None,
+    )
     return read_rows(Paths(repo, tag).ledger)
 
 
@@ -43,14 +56,24 @@ def test_a_run_that_points_its_worktree_at_its_own_repository_runs_nothing(fake_
         f"    f.write('[filter \"x\"]\\n\\tsmudge = touch {marker}; cat\\n\\trequired = true\\n')\n"
         "(evil / '.git/info').mkdir(exist_ok=True)\n"
         "(evil / '.git/info/attributes').write_text('* filter=x\\n')\n"
-        "Path('.git').write_text(f'gitdir: {evil}/.git\\n')\n")
-    rows = loop(repo, [{"description": "redirects git", "train": attack + fakes.ok(0.5)},
-                       {"description": "honest", "train": fakes.ok(0.9)}], tmp_path / "plan.json")
+        "Path('.git').write_text(f'gitdir: {evil}/.git\\n')\n"
+    )
+    rows = loop(
+        repo,
+        [
+            {"description": "redirects git", "train": attack + fakes.ok(0.5)},
+            {"description": "honest", "train": fakes.ok(0.9)},
+        ],
+        tmp_path / "plan.json",
+    )
     assert not marker.exists()  # the filter never ran
     slot = Paths(repo, "g").slot(0)
     assert (slot / ".git").read_text().strip() == f"gitdir: {(repo / '.git' / 'worktrees' / '0').resolve()}"
     assert [(r.description.split(" [")[0], r.status) for r in rows] == [
-        ("baseline", "keep"), ("redirects git", "crash"), ("honest", "keep")]
+        ("baseline", "keep"),
+        ("redirects git", "crash"),
+        ("honest", "keep"),
+    ]
     assert "the run touched what it may not (restored)" in rows[1].description
     assert ".autoloop/g/slots/0/.git" in rows[1].description
     assert git.Repo(slot).head.commit.hexsha.startswith(rows[2].commit)  # the honest run ran in our repository
@@ -67,29 +90,52 @@ def test_each_piece_of_git_state_a_run_plants_is_put_back_and_its_run_is_a_crash
     config, main = (common / "config").read_bytes(), git.Repo(repo).heads.side.commit.hexsha
     payload = f"touch {marker}; cat"
     attacks = [
-        ("plants a hook", ".git/hooks/post-checkout",
-         "(common / 'hooks').mkdir(exist_ok=True)\n"
-         f"(common / 'hooks/post-checkout').write_text('#!/bin/sh\\n{payload}\\n')\n"
-         "(common / 'hooks/post-checkout').chmod(0o755)\n"),
-        ("plants a ref", "refs/heads/planted",
-         "subprocess.run(['git', 'update-ref', 'refs/heads/planted', 'HEAD'], check=True)\n"),
-        ("moves a ref", "refs/heads/side",
-         "subprocess.run(['git', 'update-ref', 'refs/heads/side', 'HEAD'], check=True)\n"),
-        ("adds attributes", ".git/info/attributes",
-         "(common / 'info').mkdir(exist_ok=True)\n(common / 'info/attributes').write_text('* filter=x diff=x\\n')\n"),
-        ("adds alternates", ".git/objects/info/alternates",
-         f"(common / 'objects/info/alternates').write_text({str(tmp_path / 'elsewhere')!r} + '\\n')\n"),
-        ("adds a filter to the config", ".git/config",
-         f"open(common / 'config', 'a').write('[filter \"x\"]\\n\\tsmudge = {payload}\\n\\tclean = {payload}\\n"
-         f"[diff \"x\"]\\n\\ttextconv = {payload}\\n[core]\\n\\tattributesFile = ' + str(common / 'attrs') + '\\n')\n"
-         "(common / 'attrs').write_text('* filter=x diff=x\\n')\n"
-         "Path('.gitattributes').write_text('* filter=x diff=x\\n')\n"),
-        ("adds a config.worktree", ".git/worktrees/0/config.worktree",
-         f"(admin / 'config.worktree').write_text('[filter \"x\"]\\n\\tsmudge = {payload}\\n')\n"),
-        ("moves its gitdir", ".git/worktrees/0/gitdir",
-         f"(admin / 'gitdir').write_text({str(tmp_path / 'elsewhere' / '.git')!r} + '\\n')\n"),
-        ("moves its HEAD", ".git/worktrees/0/HEAD",
-         "(admin / 'HEAD').write_text('ref: refs/heads/main\\n')\n"),
+        (
+            "plants a hook",
+            ".git/hooks/post-checkout",
+            "(common / 'hooks').mkdir(exist_ok=True)\n"
+            f"(common / 'hooks/post-checkout').write_text('#!/bin/sh\\n{payload}\\n')\n"
+            "(common / 'hooks/post-checkout').chmod(0o755)\n",
+        ),
+        (
+            "plants a ref",
+            "refs/heads/planted",
+            "subprocess.run(['git', 'update-ref', 'refs/heads/planted', 'HEAD'], check=True)\n",
+        ),
+        (
+            "moves a ref",
+            "refs/heads/side",
+            "subprocess.run(['git', 'update-ref', 'refs/heads/side', 'HEAD'], check=True)\n",
+        ),
+        (
+            "adds attributes",
+            ".git/info/attributes",
+            "(common / 'info').mkdir(exist_ok=True)\n(common / 'info/attributes').write_text('* filter=x diff=x\\n')\n",
+        ),
+        (
+            "adds alternates",
+            ".git/objects/info/alternates",
+            f"(common / 'objects/info/alternates').write_text({str(tmp_path / 'elsewhere')!r} + '\\n')\n",
+        ),
+        (
+            "adds a filter to the config",
+            ".git/config",
+            f"open(common / 'config', 'a').write('[filter \"x\"]\\n\\tsmudge = {payload}\\n\\tclean = {payload}\\n"
+            f"[diff \"x\"]\\n\\ttextconv = {payload}\\n[core]\\n\\tattributesFile = ' + str(common / 'attrs') + '\\n')\n"
+            "(common / 'attrs').write_text('* filter=x diff=x\\n')\n"
+            "Path('.gitattributes').write_text('* filter=x diff=x\\n')\n",
+        ),
+        (
+            "adds a config.worktree",
+            ".git/worktrees/0/config.worktree",
+            f"(admin / 'config.worktree').write_text('[filter \"x\"]\\n\\tsmudge = {payload}\\n')\n",
+        ),
+        (
+            "moves its gitdir",
+            ".git/worktrees/0/gitdir",
+            f"(admin / 'gitdir').write_text({str(tmp_path / 'elsewhere' / '.git')!r} + '\\n')\n",
+        ),
+        ("moves its HEAD", ".git/worktrees/0/HEAD", "(admin / 'HEAD').write_text('ref: refs/heads/main\\n')\n"),
     ]
     steps = [{"description": name, "train": FIND + code + fakes.ok(0.5)} for name, _, code in attacks]
     rows = loop(repo, [*steps, {"description": "honest", "train": fakes.ok(0.9)}], tmp_path / "plan.json")
@@ -114,11 +160,19 @@ def test_the_controllers_own_refs_and_other_sessions_are_no_attack(fake_repo, tm
     repository does meanwhile (its refs, its worktrees), are never taken for a run's doing."""
     monkeypatch.setenv("AUTOLOOP_TEST_PLAN", str(tmp_path / "plan.json"))
     repo = fake_repo(fakes.ok(1.0))
-    other = ("import subprocess\nsubprocess.run(['git', 'update-ref', 'refs/autoloop/other/tried/1', 'HEAD'], "
-             "check=True)\nsubprocess.run(['git', 'branch', '-f', 'autoloop/other', 'HEAD'], check=True)\n")
-    rows = loop(repo, [{"description": "better", "train": fakes.ok(0.8)},
-                       {"description": "like another session", "train": other + fakes.ok(0.7)},
-                       {"description": "worse", "train": fakes.ok(0.9)}], tmp_path / "plan.json")
+    other = (
+        "import subprocess\nsubprocess.run(['git', 'update-ref', 'refs/autoloop/other/tried/1', 'HEAD'], "
+        "check=True)\nsubprocess.run(['git', 'branch', '-f', 'autoloop/other', 'HEAD'], check=True)\n"
+    )
+    rows = loop(
+        repo,
+        [
+            {"description": "better", "train": fakes.ok(0.8)},
+            {"description": "like another session", "train": other + fakes.ok(0.7)},
+            {"description": "worse", "train": fakes.ok(0.9)},
+        ],
+        tmp_path / "plan.json",
+    )
     assert [r.status for r in rows] == ["keep", "keep", "keep", "discard"], rows
     refs = {r.path for r in git.Repo(repo).refs}
     assert {f"refs/autoloop/g/tried/{n}" for n in range(1, 5)} <= refs and "refs/autoloop/other/tried/1" in refs
@@ -152,9 +206,11 @@ def test_your_own_commit_in_your_checkout_while_a_run_trains_is_kept(fake_repo, 
     back nor blamed on the run (the run here stands in for you; the sandbox keeps real runs out of .git)."""
     monkeypatch.setenv("AUTOLOOP_TEST_PLAN", str(tmp_path / "plan.json"))
     repo = fake_repo(fakes.ok(1.0))
-    you = (f"import subprocess\nsubprocess.run(['git', '-C', {str(repo)!r}, '-c', 'user.name=you', '-c', "
-           "'user.email=you@example.com', 'commit', '-q', '--allow-empty', '-m', 'my own work'], check=True, "
-           "env={'PATH': __import__('os').environ['PATH']})\n")
+    you = (
+        f"import subprocess\nsubprocess.run(['git', '-C', {str(repo)!r}, '-c', 'user.name=you', '-c', "
+        "'user.email=you@example.com', 'commit', '-q', '--allow-empty', '-m', 'my own work'], check=True, "
+        "env={'PATH': __import__('os').environ['PATH']})\n"
+    )
     rows = loop(repo, [{"description": "meanwhile you commit", "train": you + fakes.ok(0.9)}], tmp_path / "plan.json")
     assert [r.status for r in rows] == ["keep", "keep"], rows
     assert git.Repo(repo).head.commit.message.strip() == "my own work"
@@ -166,10 +222,20 @@ def test_a_nested_repository_in_an_ignored_folder_does_not_carry_to_the_next_run
     (training past the budget). The slot is cleaned with -ff."""
     monkeypatch.setenv("AUTOLOOP_TEST_PLAN", str(tmp_path / "plan.json"))
     repo = fake_repo(fakes.ok(1.0), {".gitignore": "build/\n__pycache__/\n"})
-    leave = ("import subprocess\nfrom pathlib import Path\nfor d in ('build', '__pycache__/stash'):\n"
-             "    subprocess.run(['git', 'init', '-q', d], check=True)\n    Path(d, 'weights.bin').write_text('w')\n")
-    find = ("from pathlib import Path\nfound = [str(p) for p in Path('.').rglob('weights.bin')]\n"
-            "if found:\n    raise SystemExit(f'carried over: {found}')\n")
-    rows = loop(repo, [{"description": "leaves weights in nested repositories", "train": leave + fakes.ok(0.9)},
-                       {"description": "finds them", "train": find + fakes.ok(0.8)}], tmp_path / "plan.json")
+    leave = (
+        "import subprocess\nfrom pathlib import Path\nfor d in ('build', '__pycache__/stash'):\n"
+        "    subprocess.run(['git', 'init', '-q', d], check=True)\n    Path(d, 'weights.bin').write_text('w')\n"
+    )
+    find = (
+        "from pathlib import Path\nfound = [str(p) for p in Path('.').rglob('weights.bin')]\n"
+        "if found:\n    raise SystemExit(f'carried over: {found}')\n"
+    )
+    rows = loop(
+        repo,
+        [
+            {"description": "leaves weights in nested repositories", "train": leave + fakes.ok(0.9)},
+            {"description": "finds them", "train": find + fakes.ok(0.8)},
+        ],
+        tmp_path / "plan.json",
+    )
     assert [r.status for r in rows] == ["keep", "keep", "keep"], rows

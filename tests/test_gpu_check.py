@@ -12,15 +12,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import fakes
 import pytest
 import torch
-
-import fakes
 from conftest import ROOT, make_repo, subprocess_env
-from orchestrator.trust import harness
+
 from orchestrator.executors.gpu import Driver, driver_problem, nvidia_smi, parse_header, parse_list, wheel_index
 from orchestrator.store.ledger import read_rows
 from orchestrator.store.session import Paths
+from orchestrator.trust import harness
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch that cannot use CUDA")
 TORCH = torch.__version__.split("+")[0]
@@ -43,12 +43,16 @@ HEADER = """Mon Nov 30 12:00:00 2025
 def fake_nvidia_smi(bin_dir: Path, gpus=(H100,), driver="535.104.05", cuda="12.2", fail=False) -> Path:
     """An executable nvidia-smi answering `-L` and the plain call like the real one, or failing like a bad driver."""
     bin_dir.mkdir(parents=True, exist_ok=True)
-    listing = "".join(f"GPU {i}: {name} (UUID: GPU-{i:08x}-1b2c-3d4e-5f60-718293a4b5c6)\n"
-                      for i, name in enumerate(gpus))
+    listing = "".join(
+        f"GPU {i}: {name} (UUID: GPU-{i:08x}-1b2c-3d4e-5f60-718293a4b5c6)\n" for i, name in enumerate(gpus)
+    )
     broken = "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver."
-    body = (f'echo "{broken}"\nexit 9\n' if fail
-            else f'if [ "$1" = "-L" ]; then\ncat <<"EOF"\n{listing}EOF\nexit 0\nfi\n'
-                 f'cat <<"EOF"\n{HEADER.format(driver=driver, cuda=cuda)}EOF\n')
+    body = (
+        f'echo "{broken}"\nexit 9\n'
+        if fail
+        else f'if [ "$1" = "-L" ]; then\ncat <<"EOF"\n{listing}EOF\nexit 0\nfi\n'
+        f'cat <<"EOF"\n{HEADER.format(driver=driver, cuda=cuda)}EOF\n'
+    )
     script = bin_dir / "nvidia-smi"
     script.write_text("#!/bin/sh\n" + body)
     script.chmod(script.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
@@ -64,8 +68,25 @@ def env_with(bin_dir: Path, **extra: str) -> dict[str, str]:
 
 
 def autoloop(repo: Path, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", "--repo", str(repo), "--tag", "g",
-                           "--max-experiments", "1", *args], capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "orchestrator.cli",
+            "run",
+            "--repo",
+            str(repo),
+            "--tag",
+            "g",
+            "--max-experiments",
+            "1",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
 
 
 def trained_rows(repo: Path) -> list:
@@ -73,19 +94,34 @@ def trained_rows(repo: Path) -> list:
     return read_rows(ledger) if ledger.exists() else []
 
 
-@pytest.mark.parametrize("cuda, index", [
-    ((11, 4), None), ((11, 8), "cu118"), ((12, 0), "cu118"), ((12, 1), "cu121"), ((12, 2), "cu121"),
-    ((12, 4), "cu124"), ((12, 5), "cu124"), ((12, 6), "cu126"), ((12, 7), "cu126"), ((12, 8), "cu128"),
-    ((12, 9), "cu129"), ((13, 0), "cu130"), ((13, 2), "cu130"),
-])
+@pytest.mark.parametrize(
+    "cuda, index",
+    [
+        ((11, 4), None),
+        ((11, 8), "cu118"),
+        ((12, 0), "cu118"),
+        ((12, 1), "cu121"),
+        ((12, 2), "cu121"),
+        ((12, 4), "cu124"),
+        ((12, 5), "cu124"),
+        ((12, 6), "cu126"),
+        ((12, 7), "cu126"),
+        ((12, 8), "cu128"),
+        ((12, 9), "cu129"),
+        ((13, 0), "cu130"),
+        ((13, 2), "cu130"),
+    ],
+)
 def test_wheel_index_is_the_newest_the_driver_runs(cuda, index):
     assert wheel_index(cuda) == index
 
 
 def test_parse_real_nvidia_smi_output():
-    listing = (f"GPU 0: {H100} (UUID: GPU-0e4f1c2a-aaaa-bbbb-cccc-0123456789ab)\n"
-               "  MIG 3g.40gb     Device  0: (UUID: MIG-11111111-2222-3333-4444-555555555555)\n"
-               "GPU 1: NVIDIA A100-SXM4-80GB (UUID: GPU-1e4f1c2a-aaaa-bbbb-cccc-0123456789ab)\n")
+    listing = (
+        f"GPU 0: {H100} (UUID: GPU-0e4f1c2a-aaaa-bbbb-cccc-0123456789ab)\n"
+        "  MIG 3g.40gb     Device  0: (UUID: MIG-11111111-2222-3333-4444-555555555555)\n"
+        "GPU 1: NVIDIA A100-SXM4-80GB (UUID: GPU-1e4f1c2a-aaaa-bbbb-cccc-0123456789ab)\n"
+    )
     assert parse_list(listing) == [H100, "NVIDIA A100-SXM4-80GB"]
     assert parse_header(HEADER.format(driver="580.65.06", cuda="13.0")) == ("580.65.06", (13, 0))
     assert parse_header("garbage") == (None, None)
@@ -106,8 +142,9 @@ def test_message_for_a_cuda_build_newer_than_the_driver_and_for_a_fitting_one():
     assert "4 x NVIDIA A100-SXM4-80GB" in too_new and "built for CUDA 12.8" in too_new
     assert "needs CUDA 12.8" in too_new and "CUDA up to 12.2" in too_new
     assert "python -m pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu121" in too_new
-    fitting = driver_problem(driver, {"version": "2.5.1+cu121", "cuda": "12.1", "available": False}, "python",
-                             {"CUDA_VISIBLE_DEVICES": "7"})
+    fitting = driver_problem(
+        driver, {"version": "2.5.1+cu121", "cuda": "12.1", "available": False}, "python", {"CUDA_VISIBLE_DEVICES": "7"}
+    )
     assert "pip install" not in fitting and "CUDA_VISIBLE_DEVICES='7'" in fitting
     missing = driver_problem(driver, {"error": "ModuleNotFoundError: No module named 'torch'"}, "python", {})
     assert "cannot be imported" in missing and "pip install torch --index-url" in missing
@@ -128,11 +165,14 @@ def test_query_reports_torch_without_a_torch_importing_prepare(tmp_path):
 
 
 @no_cuda
-@pytest.mark.parametrize("driver, cuda, expect", [
-    ("535.104.05", "12.2", f"pip install torch=={TORCH} --index-url https://download.pytorch.org/whl/cu121"),
-    ("550.54.14", "12.4", f"pip install torch=={TORCH} --index-url https://download.pytorch.org/whl/cu124"),
-    ("470.82.01", "11.4", "update the driver"),
-])
+@pytest.mark.parametrize(
+    "driver, cuda, expect",
+    [
+        ("535.104.05", "12.2", f"pip install torch=={TORCH} --index-url https://download.pytorch.org/whl/cu121"),
+        ("550.54.14", "12.4", f"pip install torch=={TORCH} --index-url https://download.pytorch.org/whl/cu124"),
+        ("470.82.01", "11.4", "update the driver"),
+    ],
+)
 def test_run_fails_loudly_on_a_gpu_torch_cannot_use(fake_repo, tmp_path, driver, cuda, expect):
     repo = fake_repo(fakes.ok(1.0))
     env = env_with(fake_nvidia_smi(tmp_path / "bin", driver=driver, cuda=cuda))
@@ -174,11 +214,14 @@ def test_gpu_profile_without_cuda_is_a_clear_error(fake_repo, tmp_path, how):
 
 
 @no_cuda
-@pytest.mark.parametrize("args, extra", [
-    (["--profile", "gpu"], {"AUTOLOOP_DEVICE": "cpu"}),  # the gpu profile's harness on the CPU, on purpose
-    ([], {"CUDA_VISIBLE_DEVICES": ""}),  # GPUs hidden: CPU slots on purpose
-    (["--gpus", ""], {}),
-])
+@pytest.mark.parametrize(
+    "args, extra",
+    [
+        (["--profile", "gpu"], {"AUTOLOOP_DEVICE": "cpu"}),  # the gpu profile's harness on the CPU, on purpose
+        ([], {"CUDA_VISIBLE_DEVICES": ""}),  # GPUs hidden: CPU slots on purpose
+        (["--gpus", ""], {}),
+    ],
+)
 def test_cpu_on_purpose_skips_the_check(fake_repo, tmp_path, args, extra):
     repo = fake_repo(fakes.ok(1.0))
     env = env_with(fake_nvidia_smi(tmp_path / "bin", driver="470.82.01", cuda="11.4"), **extra)

@@ -13,11 +13,16 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+from conftest import CLOCK_SLACK, ROOT, make_repo
 
-from conftest import ROOT, make_repo
-
-SHRINK = {"DEPTH": 1, "ASPECT_RATIO": 32, "HEAD_DIM": 32, "DEVICE_BATCH_SIZE": 1, "TOTAL_BATCH_SIZE": 2048,
-          "FINAL_EVAL_BATCH_SIZE": 4}
+SHRINK = {
+    "DEPTH": 1,
+    "ASPECT_RATIO": 32,
+    "HEAD_DIM": 32,
+    "DEVICE_BATCH_SIZE": 1,
+    "TOTAL_BATCH_SIZE": 2048,
+    "FINAL_EVAL_BATCH_SIZE": 4,
+}
 # A hobbled baseline (learning rates / 100) that the queued idea restores: a sure improvement to keep.
 HOBBLED = {"MATRIX_LR": ("0.04", "0.0004"), "EMBEDDING_LR": ("0.6", "0.006"), "UNEMBEDDING_LR": ("0.004", "0.00004")}
 
@@ -41,8 +46,8 @@ def make_corpus(path: Path, total_bytes: int = 3_000_000) -> None:
     for source in sorted(stdlib.glob("*.py")):
         text = source.read_text(encoding="utf-8", errors="replace")
         for start in range(0, len(text), 1500):
-            (path / f"doc{i:05d}.txt").write_text(text[start:start + 1500])
-            size, i = size + len(text[start:start + 1500]), i + 1
+            (path / f"doc{i:05d}.txt").write_text(text[start : start + 1500])
+            size, i = size + len(text[start : start + 1500]), i + 1
         if size >= total_bytes:
             return
 
@@ -52,21 +57,45 @@ def test_gpu_profile_path_end_to_end_on_cpu(tmp_path):
     corpus = tmp_path / "corpus"
     make_corpus(corpus)
     repo = tmp_path / "repo"
-    make_repo(repo, {"train.py": small_train_py(), "prepare.py": (ROOT / "prepare.py").read_text(),
-                     ".gitignore": "results.tsv\n"})
-    env = dict(os.environ, AUTOLOOP_CACHE=str(tmp_path / "cache"), AUTOLOOP_DEVICE="cpu")
+    make_repo(
+        repo,
+        {"train.py": small_train_py(), "prepare.py": (ROOT / "prepare.py").read_text(), ".gitignore": "results.tsv\n"},
+    )
+    env = dict(os.environ, AUTOLOOP_CACHE=str(tmp_path / "cache"), AUTOLOOP_DEVICE="cpu", **CLOCK_SLACK)  # honest runs
     for key in ("AUTOLOOP_PROFILE", "AUTOLOOP_DATASET", "AUTOLOOP_BASELINE_REPEATS"):
         env.pop(key, None)
 
     def autoloop(*args):
-        return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args, "--repo", str(repo)], env=env,
-                              capture_output=True, text=True, timeout=900)
+        return subprocess.run(
+            [sys.executable, "-m", "orchestrator.cli", *args, "--repo", str(repo)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
 
     sets = [arg for name, (normal, _) in HOBBLED.items() for arg in ("--set", f"{name}={normal}")]
     queued = autoloop("queue", "add", "restore the learning rates", *sets)
     assert queued.returncode == 0, queued.stdout + queued.stderr
-    proc = autoloop("run", "--profile", "gpu", "--dataset", str(corpus), "--budget", "4", "--tag", "gpu",
-                    "--proposer", "queue", "--gate", "strict", "--baseline-repeats", "0", "--max-experiments", "2")
+    proc = autoloop(
+        "run",
+        "--profile",
+        "gpu",
+        "--dataset",
+        str(corpus),
+        "--budget",
+        "4",
+        "--tag",
+        "gpu",
+        "--proposer",
+        "queue",
+        "--gate",
+        "strict",
+        "--baseline-repeats",
+        "0",
+        "--max-experiments",
+        "2",
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert "Traceback" not in out

@@ -13,30 +13,32 @@ import time
 import urllib.parse
 from pathlib import Path
 
+import fakes
 import psutil
 import pytest
-
-import fakes
 from conftest import subprocess_env
-from orchestrator.store.ledger import read_record, read_rows
-from orchestrator.loop import Settings, run_loop
+
 from orchestrator.executors.runner import run_command
+from orchestrator.loop import Settings, run_loop
+from orchestrator.store.ledger import read_record, read_rows
 from orchestrator.store.session import Paths
 
 
 def daemon(marker: str, heartbeat: Path) -> str:
     """train.py code that leaves a daemon: double fork, setsid, argv carrying marker, a heartbeat every 0.1 s."""
     beat = f"import time\nwhile True:\n    open({str(heartbeat)!r}, 'a').write('.')\n    time.sleep(0.1)\n"
-    return ("import os, sys\n"
-            "if os.fork() == 0:\n"
-            "    os.setsid()\n"
-            "    if os.fork() == 0:\n"
-            f"        os.execv(sys.executable, [sys.executable, '-c', {beat!r}, {marker!r}])\n"
-            "    os._exit(0)\n"
-            "os.wait()\n"
-            "import time\n"
-            f"while not os.path.exists({str(heartbeat)!r}):  # it runs\n"
-            "    time.sleep(0.01)\n")
+    return (
+        "import os, sys\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    if os.fork() == 0:\n"
+        f"        os.execv(sys.executable, [sys.executable, '-c', {beat!r}, {marker!r}])\n"
+        "    os._exit(0)\n"
+        "os.wait()\n"
+        "import time\n"
+        f"while not os.path.exists({str(heartbeat)!r}):  # it runs\n"
+        "    time.sleep(0.01)\n"
+    )
 
 
 def marked(marker: str) -> list[psutil.Process]:
@@ -69,16 +71,27 @@ def test_run_command_ends_a_detached_daemon_and_keeps_stdin_and_exit_codes(tmp_p
     marker = f"autoloop-test-daemon-{os.getpid()}-a"
     no_daemons(marker)
     code = daemon(marker, tmp_path / "beat") + "print('read', input(), flush=True)\nsys.exit(3)\n"
-    result = run_command([sys.executable, "-c", code], tmp_path, dict(os.environ), tmp_path / "log", 30,
-                         stdin_text="nonce-123\n")
+    result = run_command(
+        [sys.executable, "-c", code], tmp_path, dict(os.environ), tmp_path / "log", 30, stdin_text="nonce-123\n"
+    )
     assert result.exit_code == 3 and not result.timed_out and (tmp_path / "beat").exists()
     assert "read nonce-123" in (tmp_path / "log").read_text()
     assert not marked(marker)  # at once: run_command returns after the daemon is gone
-    killed = run_command([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"],
-                         tmp_path, dict(os.environ), tmp_path / "log2", 30)
+    killed = run_command(
+        [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"],
+        tmp_path,
+        dict(os.environ),
+        tmp_path / "log2",
+        30,
+    )
     assert killed.exit_code == -signal.SIGKILL
-    slow = run_command([sys.executable, "-c", daemon(marker, tmp_path / "beat") + "import time; time.sleep(60)"],
-                       tmp_path, dict(os.environ), tmp_path / "log3", 1.5)
+    slow = run_command(
+        [sys.executable, "-c", daemon(marker, tmp_path / "beat") + "import time; time.sleep(60)"],
+        tmp_path,
+        dict(os.environ),
+        tmp_path / "log3",
+        1.5,
+    )
     assert slow.timed_out and not marked(marker)
 
 
@@ -88,16 +101,38 @@ def test_a_runs_daemon_ends_with_the_run(fake_repo, tmp_path, monkeypatch, no_da
     marker = f"autoloop-test-daemon-{os.getpid()}-b"
     no_daemons(marker)
     seen = tmp_path / "seen.json"
-    look = ("import json, os\nlive = []\nfor pid in filter(str.isdigit, os.listdir('/proc')):\n    try:\n"
-            f"        if {marker!r}.encode() in open(f'/proc/{{pid}}/cmdline', 'rb').read():\n"
-            "            live.append(pid)\n    except OSError:\n        pass\n"
-            f"open({str(seen)!r}, 'w').write(json.dumps(live))\n")
-    monkeypatch.setenv("AUTOLOOP_TEST_PLAN", str(fakes.write_plan(tmp_path / "plan.json", [
-        {"description": "leaves a daemon", "train": daemon(marker, tmp_path / "beat") + fakes.ok(0.9)},
-        {"description": "looks for it", "train": look + fakes.ok(0.95)}])))
+    look = (
+        "import json, os\nlive = []\nfor pid in filter(str.isdigit, os.listdir('/proc')):\n    try:\n"
+        f"        if {marker!r}.encode() in open(f'/proc/{{pid}}/cmdline', 'rb').read():\n"
+        "            live.append(pid)\n    except OSError:\n        pass\n"
+        f"open({str(seen)!r}, 'w').write(json.dumps(live))\n"
+    )
+    monkeypatch.setenv(
+        "AUTOLOOP_TEST_PLAN",
+        str(
+            fakes.write_plan(
+                tmp_path / "plan.json",
+                [
+                    {"description": "leaves a daemon", "train": daemon(marker, tmp_path / "beat") + fakes.ok(0.9)},
+                    {"description": "looks for it", "train": look + fakes.ok(0.95)},
+                ],
+            )
+        ),
+    )
     repo = fake_repo(fakes.ok(1.0))
-    run_loop(Settings(repo=repo, tag="d", budget=1.0, timeout=30.0, proposer="fakes:Scripted", baseline_repeats=0,
-                      max_experiments=3, sandbox="off"), echo=lambda line: None)
+    run_loop(
+        Settings(
+            repo=repo,
+            tag="d",
+            budget=1.0,
+            timeout=30.0,
+            proposer="fakes:Scripted",
+            baseline_repeats=0,
+            max_experiments=3,
+            sandbox="off",
+        ),
+        echo=lambda line: None,
+    )
     assert (tmp_path / "beat").exists()  # the daemon did start
     assert json.loads(seen.read_text()) == []  # gone by the next run
     assert not marked(marker)  # and after the loop
@@ -111,13 +146,32 @@ def test_a_sigkilled_controller_leaves_nothing_running(fake_repo, tmp_path, no_d
     marker = f"autoloop-test-daemon-{os.getpid()}-c"
     no_daemons(marker)
     beat = tmp_path / "beat"
-    plan = fakes.write_plan(tmp_path / "plan.json", [
-        {"description": "trains long", "train": daemon(marker, beat) + f"# {marker}\n" + fakes.ok(0.9, sleep=120.0)}])
+    plan = fakes.write_plan(
+        tmp_path / "plan.json",
+        [{"description": "trains long", "train": daemon(marker, beat) + f"# {marker}\n" + fakes.ok(0.9, sleep=120.0)}],
+    )
     repo = fake_repo(fakes.ok(1.0))
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "run", "--repo", str(repo), "--tag", "k",
-                             "--budget", "60", "--proposer", "fakes:Scripted", "--baseline-repeats", "0"],
-                            env=subprocess_env(AUTOLOOP_TEST_PLAN=str(plan)), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "orchestrator.cli",
+            "run",
+            "--repo",
+            str(repo),
+            "--tag",
+            "k",
+            "--budget",
+            "60",
+            "--proposer",
+            "fakes:Scripted",
+            "--baseline-repeats",
+            "0",
+        ],
+        env=subprocess_env(AUTOLOOP_TEST_PLAN=str(plan)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 60
     while not (beat.exists() and marked(marker)) and time.monotonic() < deadline:
         assert proc.poll() is None
@@ -148,15 +202,21 @@ SECRET = "sk-test-Q9w8E7r6T5y4U3i2O1p0Zx"
 def leaks(text: str) -> list[str]:
     """The encodings of SECRET found in text (independent of orchestrator.trust.redaction's own list)."""
     raw = SECRET.encode()
-    forms = {"literal": SECRET, "hex": raw.hex(), "HEX": raw.hex().upper(), "url": urllib.parse.quote(SECRET, safe=""),
-             "base64": base64.b64encode(raw).decode()[:-4], "base64url": base64.urlsafe_b64encode(raw).decode()[:-4]}
+    forms = {
+        "literal": SECRET,
+        "hex": raw.hex(),
+        "HEX": raw.hex().upper(),
+        "url": urllib.parse.quote(SECRET, safe=""),
+        "base64": base64.b64encode(raw).decode()[:-4],
+        "base64url": base64.urlsafe_b64encode(raw).decode()[:-4],
+    }
     for k in (1, 2):  # the secret inside a longer stream, at the other alignments: its middle is stable
         encoded = base64.b64encode(bytes(k) + raw).decode()
         forms[f"base64+{k}"] = encoded[4:-4]
     return [name for name, form in forms.items() if form in text]
 
 
-STEAL = '''import base64, os, urllib.parse
+STEAL = """import base64, os, urllib.parse
 secret, pid = None, os.getppid()
 while pid > 1 and secret is None:  # up the chain of our ancestors to one that has the key
     try:
@@ -172,7 +232,7 @@ print("shifted", base64.b64encode(b"x" + secret + b"y").decode(), base64.b64enco
 print("hex", secret.hex(), secret.hex().upper(), "url", urllib.parse.quote(secret.decode(), safe=""))
 b64, shifted = base64.b64encode(secret).decode(), base64.b64encode(b"xy" + secret).decode()
 raise RuntimeError(f"leaked {b64} {secret.hex()} {shifted}")
-'''
+"""
 
 
 def test_a_secret_raised_in_any_encoding_reaches_no_row_record_or_prompt(fake_repo, tmp_path, monkeypatch):
@@ -182,11 +242,30 @@ def test_a_secret_raised_in_any_encoding_reaches_no_row_record_or_prompt(fake_re
 
     plan = fakes.write_plan(tmp_path / "plan.json", [{"description": "steals the key", "train": STEAL}])
     repo = fake_repo(fakes.ok(1.0))
-    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", "--repo", str(repo), "--tag", "s",
-                           "--budget", "1", "--timeout", "30", "--proposer", "fakes:Scripted",
-                           "--max-experiments", "2"],
-                          env=subprocess_env(AUTOLOOP_TEST_PLAN=str(plan), OPENAI_API_KEY=SECRET), capture_output=True,
-                          text=True, timeout=180)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "orchestrator.cli",
+            "run",
+            "--repo",
+            str(repo),
+            "--tag",
+            "s",
+            "--budget",
+            "1",
+            "--timeout",
+            "30",
+            "--proposer",
+            "fakes:Scripted",
+            "--max-experiments",
+            "2",
+        ],
+        env=subprocess_env(AUTOLOOP_TEST_PLAN=str(plan), OPENAI_API_KEY=SECRET),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     paths = Paths(repo, "s")
     log = (paths.run_dir(2) / "run.log").read_text()

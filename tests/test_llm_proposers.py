@@ -6,16 +6,16 @@ import json
 import sys
 from pathlib import Path
 
-import pytest
-
 import fakes
+import pytest
 from conftest import TESTS
 from fake_openai import FakeOpenAI, edit
+
 from orchestrator import LoopError
-from orchestrator.store.ledger import Record, read_record, read_rows
 from orchestrator.loop import Settings, run_loop
-from orchestrator.proposers.prompt import build_prompt
 from orchestrator.proposers.llm import EditError, apply_reply
+from orchestrator.proposers.prompt import build_prompt
+from orchestrator.store.ledger import Record, read_record, read_rows
 from orchestrator.store.session import Paths
 
 pytest.importorskip("openai")
@@ -40,15 +40,19 @@ def test_agent_proposer_end_to_end(fake_repo, tmp_path, monkeypatch):
     repo = fake_repo(fakes.ok(1.0))
     plan = tmp_path / "agent-plan.json"
     crashing = fakes.crash()
-    plan.write_text(json.dumps([
-        {"bpb": 0.9, "desc": "lower BPB to 0.9"},
-        {"bpb": 0.8, "other": True, "desc": "also writes notes"},
-        {"timeout": True},
-        {"code": crashing, "desc": "a buggy rewrite"},
-        {"bpb": 0.85, "nodesc": True},
-        {"fail": True},
-        {"noop": True, "desc": "nothing"},
-    ]))
+    plan.write_text(
+        json.dumps(
+            [
+                {"bpb": 0.9, "desc": "lower BPB to 0.9"},
+                {"bpb": 0.8, "other": True, "desc": "also writes notes"},
+                {"timeout": True},
+                {"code": crashing, "desc": "a buggy rewrite"},
+                {"bpb": 0.85, "nodesc": True},
+                {"fail": True},
+                {"noop": True, "desc": "nothing"},
+            ]
+        )
+    )
     monkeypatch.setenv("AUTOLOOP_TEST_AGENT_PLAN", str(plan))
     options = {"agent_cmd": f"{sys.executable} {TESTS / 'fake_agent.py'} {{prompt_file}}", "agent_timeout": 3}
     run_loop(settings(repo, "agent", max_experiments=8, pipeline=False, options=options), echo=quiet)
@@ -86,24 +90,29 @@ def test_llm_proposer_end_to_end(fake_repo, monkeypatch):
     repo = fake_repo(fakes.ok(1.0))
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     replies = [
-        edit(OLD, "BPB = 0.9  # [0.1, 10.0]", "good edit"),                       # 2 keep
-        {"content": "I would lower the LR but I forgot the format"},               # 3 malformed ...
+        edit(OLD, "BPB = 0.9  # [0.1, 10.0]", "good edit"),  # 2 keep
+        {"content": "I would lower the LR but I forgot the format"},  # 3 malformed ...
         edit("BPB = 0.9  # [0.1, 10.0]", "BPB = 0.8  # [0.1, 10.0]", "retried"),  #   ... fixed on retry: keep
-        {"content": "no edit"}, {"content": "still no edit"},                      # 4 crash: did not apply
-        edit("BPB = 0.8  # [0.1, 10.0]", "BPB = (", "breaks train.py"),           # 5 crash: does not compile
+        {"content": "no edit"},
+        {"content": "still no edit"},  # 4 crash: did not apply
+        edit("BPB = 0.8  # [0.1, 10.0]", "BPB = (", "breaks train.py"),  # 5 crash: does not compile
         edit("import time", "raise RuntimeError('boom from the edit')", "runtime bug"),  # 6 crash at run time
-        {"status": 500}, edit("BPB = 0.8  # [0.1, 10.0]", "BPB = 0.7  # [0.1, 10.0]", "after a 500"),  # 7 keep
+        {"status": 500},
+        edit("BPB = 0.8  # [0.1, 10.0]", "BPB = 0.7  # [0.1, 10.0]", "after a 500"),  # 7 keep
         {"content": "x", "delay": 1.5} | edit("BPB = 0.7  # [0.1, 10.0]", "BPB = 0.75  # [0.1, 10.0]", "slow"),  # 8
-        {"status": 500},                                                           # 9.. persistent 500s
+        {"status": 500},  # 9.. persistent 500s
     ]
     with FakeOpenAI(replies) as server:
-        options = {"llm_base_url": server.base_url, "llm_model": "fake-model", "llm_price_in": 1.0,
-                   "llm_price_out": 2.0}
+        options = {
+            "llm_base_url": server.base_url,
+            "llm_model": "fake-model",
+            "llm_price_in": 1.0,
+            "llm_price_out": 2.0,
+        }
         run_loop(settings(repo, "llm", max_experiments=9, pipeline=False, options=options), echo=quiet)
         prompts = server.prompts()
     rows = read_rows(repo / "results.tsv")
-    assert [r.status for r in rows] == ["keep", "keep", "keep", "crash", "crash", "crash", "keep", "discard",
-                                        "crash"]
+    assert [r.status for r in rows] == ["keep", "keep", "keep", "crash", "crash", "crash", "keep", "discard", "crash"]
     assert [r.val_bpb for r in rows][:3] == [1.0, 0.9, 0.8]
     assert "LLM reply did not apply" in rows[3].description
     assert "does not compile" in rows[4].description
@@ -147,8 +156,11 @@ def test_apply_reply_formats():
     assert new == "A = 1\nB = 6\nC = 3\n"
     whole, desc = apply_reply(src, "DESCRIPTION: rewrite\n```python\nA = 1\nB = 7\nC = 3\n```")
     assert whole == "A = 1\nB = 7\nC = 3\n" and desc == "rewrite"
-    for bad in ["no blocks at all", "<<<<<<< SEARCH\nZ = 9\n=======\nZ = 1\n>>>>>>> REPLACE",
-                "<<<<<<< SEARCH\nB = 2\n=======\nB = 2\n>>>>>>> REPLACE"]:
+    for bad in [
+        "no blocks at all",
+        "<<<<<<< SEARCH\nZ = 9\n=======\nZ = 1\n>>>>>>> REPLACE",
+        "<<<<<<< SEARCH\nB = 2\n=======\nB = 2\n>>>>>>> REPLACE",
+    ]:
         with pytest.raises(EditError):
             apply_reply(src, bad)
     with pytest.raises(EditError, match="matches 2 places"):
@@ -156,11 +168,19 @@ def test_apply_reply_formats():
 
 
 def test_prompt_stays_bounded_with_500_rows(tmp_path):
-    history = [Record(n=i, status=["keep", "discard", "crash"][i % 3], description=f"idea number {i} " + "x" * 200,
-                      val_bpb=None if i % 3 == 2 else 1.0 - i / 1e4) for i in range(1, 501)]
+    history = [
+        Record(
+            n=i,
+            status=["keep", "discard", "crash"][i % 3],
+            description=f"idea number {i} " + "x" * 200,
+            val_bpb=None if i % 3 == 2 else 1.0 - i / 1e4,
+        )
+        for i in range(1, 501)
+    ]
     program = "brief " * 2000
-    prompt = build_prompt(program, "print('train')\n" * 200, history, Paths(tmp_path, "t"), "do one thing",
-                          max_chars=20_000)
+    prompt = build_prompt(
+        program, "print('train')\n" * 200, history, Paths(tmp_path, "t"), "do one thing", max_chars=20_000
+    )
     assert len(prompt) <= 20_000
     assert "print('train')" in prompt and "do one thing" in prompt and "#500" in prompt
     best = min((r for r in history if r.val_bpb is not None), key=lambda r: r.val_bpb)
@@ -170,9 +190,11 @@ def test_prompt_stays_bounded_with_500_rows(tmp_path):
 @pytest.mark.parametrize("pipeline", [True, False])
 def test_pipelining_prepares_the_next_idea_while_training(fake_repo, pipeline):
     repo = fake_repo(fakes.ok(1.0, sleep=1.5))
-    replies = [edit("BPB = 1.0  # [0.1, 10.0]", "BPB = 0.9  # [0.1, 10.0]", "first"),
-               edit('print("step 00001 | loss: 1.0")', 'print("step 00001 | loss: 0.5")', "second, made on the old best"),
-               edit('print("step 00001 | loss: 1.0")', 'print("step 00001 | loss: 0.4")', "third")]
+    replies = [
+        edit("BPB = 1.0  # [0.1, 10.0]", "BPB = 0.9  # [0.1, 10.0]", "first"),
+        edit('print("step 00001 | loss: 1.0")', 'print("step 00001 | loss: 0.5")', "second, made on the old best"),
+        edit('print("step 00001 | loss: 1.0")', 'print("step 00001 | loss: 0.4")', "third"),
+    ]
     with FakeOpenAI(replies) as server:
         options = {"llm_base_url": server.base_url, "llm_model": "m"}
         run_loop(settings(repo, "llm", max_experiments=4, options=options, pipeline=pipeline), echo=quiet)

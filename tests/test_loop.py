@@ -5,14 +5,14 @@ from __future__ import annotations
 import os
 import time
 
+import fakes
 import git
 import psutil
 import pytest
 
-import fakes
 from orchestrator import LoopError
-from orchestrator.store.ledger import read_record, read_rows
 from orchestrator.loop import Settings, run_loop
+from orchestrator.store.ledger import read_record, read_rows
 from orchestrator.store.session import Paths
 
 
@@ -28,25 +28,38 @@ def quiet(_line: str) -> None:
 
 def test_outcomes_are_recorded_and_branch_holds_only_keeps(fake_repo, plan, tmp_path):
     repo_path = fake_repo(fakes.ok(1.0))
-    plan([
-        {"description": "better", "train": fakes.ok(0.8)},
-        {"description": "worse", "train": fakes.ok(0.9)},
-        {"description": "crashes", "train": fakes.crash()},
-        {"description": "nan", "train": fakes.nan()},
-        {"description": "forgets summary", "train": fakes.no_summary()},
-        {"description": "fake block", "train": fakes.fake_then_real(0.85)},
-        {"description": "touches prepare", "train": fakes.ok(0.1), "files": {"prepare.py": "X = 1\n"}},
-        {"description": "syntax error", "train": "def broken(:\n"},
-        {"description": "tampers at run time", "train": fakes.modifies_prepare()},
-        {"description": "best", "train": fakes.ok(0.7)},
-    ])
+    plan(
+        [
+            {"description": "better", "train": fakes.ok(0.8)},
+            {"description": "worse", "train": fakes.ok(0.9)},
+            {"description": "crashes", "train": fakes.crash()},
+            {"description": "nan", "train": fakes.nan()},
+            {"description": "forgets summary", "train": fakes.no_summary()},
+            {"description": "fake block", "train": fakes.fake_then_real(0.85)},
+            {"description": "touches prepare", "train": fakes.ok(0.1), "files": {"prepare.py": "X = 1\n"}},
+            {"description": "syntax error", "train": "def broken(:\n"},
+            {"description": "tampers at run time", "train": fakes.modifies_prepare()},
+            {"description": "best", "train": fakes.ok(0.7)},
+        ]
+    )
     user = git.Repo(repo_path)
     before = (user.head.commit.hexsha, user.git.status("--porcelain"), user.active_branch.name)
     state = run_loop(settings(repo_path), echo=quiet)
 
     rows = read_rows(repo_path / "results.tsv")
-    assert [r.status for r in rows] == ["keep", "keep", "discard", "crash", "crash", "crash", "discard", "crash",
-                                        "crash", "crash", "keep"]
+    assert [r.status for r in rows] == [
+        "keep",
+        "keep",
+        "discard",
+        "crash",
+        "crash",
+        "crash",
+        "discard",
+        "crash",
+        "crash",
+        "crash",
+        "keep",
+    ]
     assert [r.val_bpb for r in rows][:3] == [1.0, 0.8, 0.9] and rows[-1].val_bpb == 0.7
     assert "RuntimeError: CUDA out of memory (fake)" in rows[3].description
     assert "not finite" in rows[4].description and "no val_bpb" in rows[5].description
@@ -86,26 +99,40 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_hang_and_grandchildren_are_killed(fake_repo, plan, tmp_path):
+@pytest.mark.parametrize("reaper", [True, False], ids=["reaper", "no-reaper"])
+def test_hang_and_grandchildren_are_killed(fake_repo, plan, tmp_path, monkeypatch, reaper):
+    """The grandchildren ignore SIGTERM and left the process group: under the reaper (Linux) it ends them; without
+    it (every other system) kill_tree must find them by parentage. A grandchild whose parent exited is beyond
+    parentage: only the reaper ends it, so that step runs with the reaper alone (and in test_leftovers)."""
+    from orchestrator.executors import runner
+
+    monkeypatch.setattr(runner, "REAPER", reaper)
     repo_path = fake_repo(fakes.ok(1.0))
     pid_a, pid_b = tmp_path / "a.pid", tmp_path / "b.pid"
-    plan([
+    steps = [
         {"description": "hangs", "train": fakes.hang()},
         {"description": "grandchild then hang", "train": fakes.grandchild(pid_a, then="hang")},
         {"description": "grandchild then exit", "train": fakes.grandchild(pid_b, then="exit")},
-    ])
+    ]
+    steps = steps if reaper else steps[:2]
+    plan(steps)
     t0 = time.monotonic()
-    run_loop(settings(repo_path, timeout=3.0), echo=quiet)
-    rows = read_rows(repo_path / "results.tsv")
-    assert [r.status for r in rows] == ["keep", "crash", "crash", "discard"]
-    assert "timeout after 3s" in rows[1].description and "timeout" in rows[2].description
-    assert rows[3].val_bpb == 1.5
-    for pidfile in (pid_a, pid_b):
-        pid = int(pidfile.read_text())
-        deadline = time.monotonic() + 5
-        while _alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not _alive(pid), f"grandchild {pid} survived"
+    try:
+        run_loop(settings(repo_path, timeout=3.0), echo=quiet)
+        rows = read_rows(repo_path / "results.tsv")
+        assert [r.status for r in rows] == ["keep", "crash", "crash", "discard"][: len(steps) + 1]
+        assert "timeout after 3s" in rows[1].description and "timeout" in rows[2].description
+        assert not reaper or rows[3].val_bpb == 1.5
+        for pidfile in (pid_a, pid_b)[: len(steps) - 1]:
+            pid = int(pidfile.read_text())
+            deadline = time.monotonic() + 5
+            while _alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not _alive(pid), f"grandchild {pid} survived"
+    finally:  # a failure leaves no grandchild behind (they sleep an hour and ignore SIGTERM)
+        for pidfile in (pid_a, pid_b):
+            if pidfile.exists() and _alive(int(pidfile.read_text())):
+                psutil.Process(int(pidfile.read_text())).kill()
     assert time.monotonic() - t0 < 60
 
 
@@ -186,9 +213,11 @@ def test_a_crashed_baseline_run_again_on_resume_is_the_baseline(fake_repo, plan,
 
     from conftest import subprocess_env
 
-    flaky = (f'import os\np = {str(tmp_path / "count")!r}\nk = int(open(p).read()) if os.path.exists(p) else 0\n'
-             'open(p, "w").write(str(k + 1))\nif k == 0:\n    raise SystemExit("the first run crashes")\n'
-             + fakes.ok(1.0).replace("BPB = 1.0", "BPB = [1.0, 1.0, 1.02, 0.98][min(k, 3)]"))
+    flaky = (
+        f"import os\np = {str(tmp_path / 'count')!r}\nk = int(open(p).read()) if os.path.exists(p) else 0\n"
+        'open(p, "w").write(str(k + 1))\nif k == 0:\n    raise SystemExit("the first run crashes")\n'
+        + fakes.ok(1.0).replace("BPB = 1.0", "BPB = [1.0, 1.0, 1.02, 0.98][min(k, 3)]")
+    )
     repo = fake_repo(flaky)
     plan([{"description": "better", "train": fakes.ok(0.5)}])
     with pytest.raises(LoopError, match="baseline crashed"):
@@ -196,12 +225,21 @@ def test_a_crashed_baseline_run_again_on_resume_is_the_baseline(fake_repo, plan,
     state = run_loop(settings(repo, baseline_repeats=2), echo=lambda _: None)
     rows = read_rows(repo / "results.tsv")
     assert [r.description.split(" (1 run")[0].split(" (simplification")[0] for r in rows] == [
-        "baseline [crash: exit code 1: the first run crashes]", "baseline (retry)", "baseline (repeat 2/3)",
-        "baseline (repeat 3/3)", "better"]
+        "baseline [crash: exit code 1: the first run crashes]",
+        "baseline (retry)",
+        "baseline (repeat 2/3)",
+        "baseline (repeat 3/3)",
+        "better",
+    ]
     assert state.baseline_run == 2 and state.baseline_bpb == pytest.approx(1.0) and state.best_run == 5
     for command in (["status", "--json"], ["report", "--json"]):
-        proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", *command, "--repo", str(repo)],
-                              capture_output=True, text=True, env=subprocess_env(), timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "-m", "orchestrator.cli", *command, "--repo", str(repo)],
+            capture_output=True,
+            text=True,
+            env=subprocess_env(),
+            timeout=120,
+        )
         assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
         assert json.loads(proc.stdout)["baseline_bpb"] == pytest.approx(1.0)
 
@@ -210,8 +248,13 @@ def test_one_slot_resumed_on_another_device_recovers(fake_repo, plan, tmp_path, 
     """Runs are compared only on one device type: after a move to another GPU model the first idea cannot be
     judged (its row says why), then the best runs there once, and later ideas are judged again."""
     repo = fake_repo(fakes.ok(1.0))
-    plan([{"description": "better", "train": fakes.ok(0.5)}, {"description": "lost", "train": fakes.ok(0.45)},
-          {"description": "best", "train": fakes.ok(0.4)}])
+    plan(
+        [
+            {"description": "better", "train": fakes.ok(0.5)},
+            {"description": "lost", "train": fakes.ok(0.45)},
+            {"description": "best", "train": fakes.ok(0.4)},
+        ]
+    )
     run_loop(settings(repo, max_experiments=2), echo=lambda _: None)  # on the CPU
     smi = tmp_path / "bin" / "nvidia-smi"  # now a (fake) GPU machine, on which the runs are labelled
     smi.parent.mkdir()

@@ -8,24 +8,23 @@ import subprocess
 import sys
 import time
 
+import fakes
 import git
 import pytest
+from conftest import cli, subprocess_env
 
-import fakes
-from conftest import subprocess_env
-from orchestrator.cli import default_tag
+from orchestrator.options import default_tag
 from orchestrator.store.ledger import read_record, read_rows
 from orchestrator.store.session import Paths
 
 
-def run(repo, *args, env=None, timeout=120):
-    """`autoloop run --repo REPO ARGS` in a subprocess."""
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", "--repo", str(repo), *args],
-                          capture_output=True, text=True, env=env or subprocess_env(), timeout=timeout)
+def run(repo, *args, env=None):
+    """`autoloop run --repo REPO ARGS` (in this process: no test here signals the controller)."""
+    return cli("run", "--repo", str(repo), *args, env=env or subprocess_env())
 
 
-def autoloop(repo, *args, env=None, timeout=120):
-    return run(repo, "--timeout", "60", *args, env=env, timeout=timeout)
+def autoloop(repo, *args, env=None):
+    return run(repo, "--timeout", "60", *args, env=env)
 
 
 def fixed_budget_repo(fake_repo, seconds: int):
@@ -48,8 +47,10 @@ def test_resume_with_a_changed_budget_starts_a_new_session_under_the_default_tag
     tag = default_tag()
     second = autoloop(repo, "--budget", "2", "--max-experiments", "1", "--proposer", "fakes:Scripted")
     assert second.returncode == 0, second.stdout + second.stderr
-    assert f"session {tag} was started with other settings (budget 1s (now 2s)); this run is session {tag}-2" \
+    assert (
+        f"session {tag} was started with other settings (budget 1s (now 2s)); this run is session {tag}-2"
         in second.stdout
+    )
     assert len(rows(repo, tag)) == 1 and len(rows(repo, f"{tag}-2")) == 1  # each session has its own baseline
     assert read_record(Paths(repo, f"{tag}-2").run_dir(1)).description.startswith("baseline")
     again = autoloop(repo, "--budget", "2", "--max-experiments", "2", "--proposer", "fakes:Scripted")
@@ -61,11 +62,15 @@ def test_a_chosen_tag_refuses_a_changed_session_and_names_every_difference(fake_
     repo = fake_repo(fakes.ok(1.0))
     first = autoloop(repo, "--tag", "t", "--budget", "1", "--max-experiments", "1")
     assert first.returncode == 0, first.stderr
-    changed = autoloop(repo, "--tag", "t", "--budget", "2", "--seed", "7", "--gate", "strict",
-                       "--max-experiments", "2")
+    changed = autoloop(repo, "--tag", "t", "--budget", "2", "--seed", "7", "--gate", "strict", "--max-experiments", "2")
     assert changed.returncode == 1 and "Traceback" not in changed.stderr
-    for part in ("session 't' was started with other settings", "budget 1s (now 2s)", "seed 42 (now 7)",
-                 "gate noise alpha 0.015 looks 10 min 0 (now strict alpha 0.015 looks 10 min 0)", "--tag t-2"):
+    for part in (
+        "session 't' was started with other settings",
+        "budget 1s (now 2s)",
+        "seed 42 (now 7)",
+        "gate noise alpha 0.015 looks 10 min 0 (now strict alpha 0.015 looks 10 min 0)",
+        "--tag t-2",
+    ):
         assert part in changed.stderr, changed.stderr
     assert len(rows(repo, "t")) == 1  # nothing ran
     same = autoloop(repo, "--tag", "t", "--budget", "1", "--max-experiments", "2")
@@ -96,8 +101,10 @@ def test_a_harness_that_fixes_its_budget_sets_the_timeout_audit_and_pin(fake_rep
     repo = fixed_budget_repo(fake_repo, 20)
     proc = run(repo, "--tag", "h", "--budget", "1", "--max-experiments", "1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "fixes its own budget (20s); --budget 1 does not reach it, so runs are timed, audited and pinned at 20s" \
+    assert (
+        "fixes its own budget (20s); --budget 1 does not reach it, so runs are timed, audited and pinned at 20s"
         in proc.stdout
+    )
     assert "budget 20s | timeout 160s" in proc.stdout
     assert rows(repo, "h")[0].status == "keep"  # not "budget exceeded"
     pinned = json.loads(Paths(repo, "h").session.read_text())["pin"]
@@ -143,15 +150,41 @@ def test_the_circuit_breaker_stops_a_night_of_environment_crashes(fake_repo, pla
     rows all night. Now the last --max-crashes crashes in a row stop it, naming the shared cause."""
     repo = fake_repo(fakes.ok(1.0))
     plan([{"description": f"idea {i}", "train": failing("[Errno 28] No space left on device")} for i in range(8)])
-    proc = autoloop(repo, "--tag", "c", "--budget", "1", "--max-experiments", "10", "--proposer", "fakes:Scripted",
-                    "--baseline-repeats", "0")
+    proc = autoloop(
+        repo,
+        "--tag",
+        "c",
+        "--budget",
+        "1",
+        "--max-experiments",
+        "10",
+        "--proposer",
+        "fakes:Scripted",
+        "--baseline-repeats",
+        "0",
+    )
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert "the last 5 experiments all crashed (all: OSError: [Errno 28] No space left on device; 5 blamed on the " \
-           "environment)" in proc.stderr, proc.stderr
+    assert (
+        "the last 5 experiments all crashed (all: OSError: [Errno 28] No space left on device; 5 blamed on the "
+        "environment)" in proc.stderr
+    ), proc.stderr
     assert [r.status for r in rows(repo, "c")] == ["keep"] + ["crash"] * 5
     assert read_record(Paths(repo, "c").run_dir(2)).cause == "environment"
-    fewer = autoloop(repo, "--tag", "c2", "--budget", "1", "--max-experiments", "10", "--proposer",
-                     "fakes:Scripted", "--baseline-repeats", "0", "--max-crashes", "2")
+    fewer = autoloop(
+        repo,
+        "--tag",
+        "c2",
+        "--budget",
+        "1",
+        "--max-experiments",
+        "10",
+        "--proposer",
+        "fakes:Scripted",
+        "--baseline-repeats",
+        "0",
+        "--max-crashes",
+        "2",
+    )
     assert fewer.returncode == 1 and "the last 2 experiments all crashed" in fewer.stderr
     assert len(rows(repo, "c2")) == 3
 
@@ -159,8 +192,10 @@ def test_the_circuit_breaker_stops_a_night_of_environment_crashes(fake_repo, pla
 def test_a_crashed_run_of_the_unchanged_best_stops_the_loop(fake_repo, tmp_path):
     """The best ran before: when a repeat of it crashes, the machine is failing, and every idea would too."""
     marker = tmp_path / "ran-once"
-    train = (f"import pathlib\nm = pathlib.Path({str(marker)!r})\nif m.exists():\n"
-             f"    raise RuntimeError('CUDA error: unknown error')\nm.write_text('x')\n" + fakes.ok(1.0))
+    train = (
+        f"import pathlib\nm = pathlib.Path({str(marker)!r})\nif m.exists():\n"
+        f"    raise RuntimeError('CUDA error: unknown error')\nm.write_text('x')\n" + fakes.ok(1.0)
+    )
     repo = fake_repo(train)
     proc = autoloop(repo, "--tag", "b", "--budget", "1", "--max-experiments", "10", "--baseline-repeats", "2")
     assert proc.returncode == 1 and "a run of the unchanged best that ran before, crashed" in proc.stderr
@@ -173,10 +208,10 @@ def test_the_search_learns_nothing_from_environment_crashes(tmp_path):
     """Old: the search took a crash from a lost GPU as "moving this constant crashes" and never went there
     again. Now only the idea's crashes close a region."""
     from orchestrator.contract import make_fake_repo
-    from orchestrator.store.ledger import Record
     from orchestrator.proposers import Context
     from orchestrator.proposers.search import SearchProposer
     from orchestrator.proposers.space import read_space
+    from orchestrator.store.ledger import Record
 
     repo_path = make_fake_repo(tmp_path / "r")
     repo = git.Repo(repo_path)
@@ -189,8 +224,10 @@ def test_the_search_learns_nothing_from_environment_crashes(tmp_path):
     bigger = repo.head.commit.hexsha
     proposer = SearchProposer(Context(repo=repo_path, tag="s", profile=None))
     for cause, closed in (("environment", False), ("idea", True)):
-        history = [Record(n=1, status="keep", description="baseline", commit=base, parent=base),
-                   Record(n=2, status="crash", description="x2", commit=bigger, parent=base, cause=cause)]
+        history = [
+            Record(n=1, status="keep", description="baseline", commit=base, parent=base),
+            Record(n=2, status="crash", description="x2", commit=bigger, parent=base, cause=cause),
+        ]
         stats, tried, _ = proposer.learn(space, history, best)
         assert (stats[name].crash_above is not None) is closed, cause
 
@@ -200,10 +237,10 @@ def test_an_out_of_memory_crash_closes_its_sizes_together_and_nothing_alone(tmp_
     together: neither size is closed alone (a deeper, narrower model stays open), and a crash the machine caused
     closes nothing."""
     from orchestrator.contract import make_fake_repo
-    from orchestrator.store.ledger import Record
     from orchestrator.proposers import Context
     from orchestrator.proposers.search import SearchProposer
     from orchestrator.proposers.space import read_space
+    from orchestrator.store.ledger import Record
 
     repo_path = make_fake_repo(tmp_path / "r")
     repo = git.Repo(repo_path)
@@ -216,8 +253,10 @@ def test_an_out_of_memory_crash_closes_its_sizes_together_and_nothing_alone(tmp_
     moved = repo.head.commit.hexsha
     proposer = SearchProposer(Context(repo=repo_path, tag="s", profile=None))
     for cause in ("idea", "environment"):
-        history = [Record(n=1, status="keep", description="baseline", commit=base, parent=base),
-                   Record(n=2, status="crash", description="x", commit=moved, parent=base, cause=cause)]
+        history = [
+            Record(n=1, status="keep", description="baseline", commit=base, parent=base),
+            Record(n=2, status="crash", description="x", commit=moved, parent=base, cause=cause),
+        ]
         stats, _, regions = proposer.learn(space, history, best)
         assert stats["DEPTH"].crash_above is None and stats["WIDTH"].crash_below is None
         if cause == "environment":
@@ -247,8 +286,10 @@ def test_a_log_flood_is_capped_head_and_tail(fake_repo):
 
 def test_ignored_files_a_run_leaves_do_not_pile_up(fake_repo, plan):
     """Old: worktrees were cleaned of untracked files but not of ignored ones (checkpoints, caches)."""
-    leaves = ('import os\nassert not os.path.exists("ckpt/big.bin"), "a file of an earlier run is still here"\n'
-              'os.makedirs("ckpt", exist_ok=True)\nopen("ckpt/big.bin", "wb").write(b"0" * 1000)\n')
+    leaves = (
+        'import os\nassert not os.path.exists("ckpt/big.bin"), "a file of an earlier run is still here"\n'
+        'os.makedirs("ckpt", exist_ok=True)\nopen("ckpt/big.bin", "wb").write(b"0" * 1000)\n'
+    )
     repo = fake_repo(leaves + fakes.ok(1.0), {".gitignore": "ckpt/\n"})
     plan([{"description": "again", "train": leaves + fakes.ok(0.9)}])
     proc = autoloop(repo, "--tag", "i", "--budget", "1", "--max-experiments", "2", "--proposer", "fakes:Scripted")
@@ -262,8 +303,12 @@ def test_resume_checks_rows_against_records_and_names_a_bad_line(fake_repo, plan
     traceback. Now each is a message naming the line and what belongs there, and nothing is touched."""
     repo = fake_repo(fakes.ok(1.0))
     plan([{"description": f"idea {i}", "train": fakes.ok(1.0 - i / 10)} for i in range(1, 4)])
-    assert autoloop(repo, "--tag", "r", "--budget", "1", "--max-experiments", "4",
-                    "--proposer", "fakes:Scripted").returncode == 0
+    assert (
+        autoloop(
+            repo, "--tag", "r", "--budget", "1", "--max-experiments", "4", "--proposer", "fakes:Scripted"
+        ).returncode
+        == 0
+    )
     ledger = Paths(repo, "r").ledger
     good = ledger.read_bytes()
     lines = good.split(b"\n")
@@ -273,44 +318,92 @@ def test_resume_checks_rows_against_records_and_names_a_bad_line(fake_repo, plan
     assert "line 3" in proc.stderr and "is not run 2" in proc.stderr and "idea 1" in proc.stderr, proc.stderr
     assert sorted(p.name for p in Paths(repo, "r").runs.iterdir()) == ["1", "2", "3", "4"]  # nothing moved
     assert not (Paths(repo, "r").state / "incomplete").exists()
-    for broken, why in ((lines[3].replace(b"keep", b"kept"), "status 'kept'"),
-                        (lines[3].replace(b"\t0.", b"\tx."), "could not convert"),
-                        (lines[3] + b"\xff\xfe", "not UTF-8")):
+    for broken, why in (
+        (lines[3].replace(b"keep", b"kept"), "status 'kept'"),
+        (lines[3].replace(b"\t0.", b"\tx."), "could not convert"),
+        (lines[3] + b"\xff\xfe", "not UTF-8"),
+    ):
         ledger.write_bytes(b"\n".join(lines[:3] + [broken] + lines[4:]))
         proc = autoloop(repo, "--tag", "r", "--budget", "1", "--max-experiments", "6")
         assert proc.returncode == 1 and "line 4 cannot be read" in proc.stderr and why in proc.stderr, proc.stderr
         assert "Traceback" not in proc.stderr
-        status = subprocess.run([sys.executable, "-m", "orchestrator.cli", "status", "--repo", str(repo), "--tag",
-                                 "r"], capture_output=True, text=True, env=subprocess_env())
+        status = cli("status", "--repo", str(repo), "--tag", "r")
         assert status.returncode == 1 and "line 4 cannot be read" in status.stderr
     ledger.write_bytes(good)
-    assert autoloop(repo, "--tag", "r", "--budget", "1", "--max-experiments", "5",
-                    "--proposer", "fakes:Scripted").returncode == 0
+    assert (
+        autoloop(
+            repo, "--tag", "r", "--budget", "1", "--max-experiments", "5", "--proposer", "fakes:Scripted"
+        ).returncode
+        == 0
+    )
 
 
-def test_two_sessions_sharing_a_queue_never_run_the_same_idea(fake_repo):
+# A fake train.py that, with GATE = 1, trains until the test opens the gate (AUTOLOOP_TEST_GATE; 30 s at most).
+GATED = fakes.ok(1.0).replace(
+    "time.sleep(SLEEP)\n",
+    (
+        "GATE = 0  # [0, 1]\nimport os\nt0 = time.monotonic()\n"
+        "while GATE and not os.path.exists(os.environ['AUTOLOOP_TEST_GATE']) and time.monotonic() - t0 < 30:\n"
+        "    time.sleep(0.05)\n"
+    ),
+    1,
+)
+
+
+def test_two_sessions_sharing_a_queue_never_run_the_same_idea(fake_repo, tmp_path):
     """Old: two sessions of one repo (say, two GPU subsets) both took queued idea #1. Now a session claims an
-    idea when it takes it, and another session leaves it alone while the first one runs."""
-    repo = fake_repo(fakes.ok(1.0).replace("SLEEP = 0.0  # [fixed]", "SLEEP = 0.0  # [0.0, 100.0]"))
-    for args in (["slow one", "--set", "SLEEP=6.0", "--set", "BPB=0.9"], ["fast one", "--set", "BPB=0.8"]):
-        added = subprocess.run([sys.executable, "-m", "orchestrator.cli", "queue", "add", *args, "--repo", str(repo)],
-                               capture_output=True, text=True, env=subprocess_env())
+    idea when it takes it, and another session leaves it alone while the first one runs. Session a trains idea
+    #1 until session b has finished: without the claim b takes #1 too (and waits out the gate's 30 s)."""
+    gate = tmp_path / "gate"
+    env = subprocess_env(AUTOLOOP_TEST_GATE=str(gate))
+    repo = fake_repo(GATED)
+    for args in (["slow one", "--set", "GATE=1", "--set", "BPB=0.9"], ["fast one", "--set", "BPB=0.8"]):
+        added = subprocess.run(
+            [sys.executable, "-m", "orchestrator.cli", "queue", "add", *args, "--repo", str(repo)],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
         assert added.returncode == 0, added.stderr
-    cmd = [sys.executable, "-m", "orchestrator.cli", "run", "--repo", str(repo), "--budget", "6", "--timeout", "60",
-           "--proposer", "queue", "--max-experiments", "2"]  # a budget the slow idea keeps to
-    first = subprocess.Popen([*cmd, "--tag", "a"], env=subprocess_env(), stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:  # session a is training idea #1
-        status = json.loads(Paths(repo, "a").status.read_text()) if Paths(repo, "a").status.exists() else {}
-        if status.get("phase") == "training" and status.get("n") == 2:
-            break
-        time.sleep(0.05)
-    second = subprocess.run([*cmd, "--tag", "b"], env=subprocess_env(), capture_output=True, text=True, timeout=120)
-    out, _ = first.communicate(timeout=120)
+    cmd = [
+        sys.executable,
+        "-m",
+        "orchestrator.cli",
+        "run",
+        "--repo",
+        str(repo),
+        "--budget",
+        "60",
+        "--timeout",
+        "120",
+        "--proposer",
+        "queue",
+        "--max-experiments",
+        "2",
+    ]  # a budget the gated idea keeps to
+    first = subprocess.Popen([*cmd, "--tag", "a"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # session a is training idea #1
+            status = json.loads(Paths(repo, "a").status.read_text()) if Paths(repo, "a").status.exists() else {}
+            if status.get("phase") == "training" and status.get("n") == 2:
+                break
+            time.sleep(0.05)
+        second = subprocess.run([*cmd, "--tag", "b"], env=env, capture_output=True, text=True, timeout=120)
+        gate.touch()
+        out, _ = first.communicate(timeout=120)
+    finally:
+        gate.touch()
+        if first.poll() is None:
+            first.kill()
+            first.communicate()
     assert first.returncode == 0 and second.returncode == 0, out + second.stdout + second.stderr
     assert [r.description for r in rows(repo, "a")] == ["baseline", "slow one"]
     assert [r.description for r in rows(repo, "b")] == ["baseline", "fast one"]
+    assert (
+        read_record(Paths(repo, "a").run_dir(2)).timings["train"]
+        >= read_record(Paths(repo, "b").run_dir(2)).timings["train"]
+    )  # a's idea trained while b ran
 
 
 def test_spend_counts_every_request_even_of_ideas_that_never_ran(fake_repo):
@@ -319,27 +412,42 @@ def test_spend_counts_every_request_even_of_ideas_that_never_ran(fake_repo):
     the cap is overrun by at most one request."""
     pytest.importorskip("openai")
     from fake_openai import FakeOpenAI, edit
+
     from orchestrator.loop import Settings, run_loop
     from orchestrator.store.spend import Spend
 
     repo = fake_repo(fakes.ok(1.0, sleep=1.0))
     old = "BPB = 1.0  # [0.1, 10.0]"
-    replies = [edit(old, "BPB = 0.9  # [0.1, 10.0]", "first"),
-               edit(old, "BPB = 0.95  # [0.1, 10.0]", "made on the old best: conflicts once the first is kept"),
-               edit('print("step 00001 | loss: 1.0")', 'print("step 00001 | loss: 0.5")', "asked again"),
-               edit('print("step 00001 | loss: 1.0")', 'print("step 00001 | loss: 0.4")', "more")]
+    replies = [
+        edit(old, "BPB = 0.9  # [0.1, 10.0]", "first"),
+        edit(old, "BPB = 0.95  # [0.1, 10.0]", "made on the old best: conflicts once the first is kept"),
+        edit('print("step 00001 | loss: 1.0")', 'print("step 00001 | loss: 0.5")', "asked again"),
+        edit('print("step 00001 | loss: 1.0")', 'print("step 00001 | loss: 0.4")', "more"),
+    ]
     lines = []
     with FakeOpenAI(replies) as server:  # 120 tokens a request
-        run_loop(Settings(repo=repo, tag="p", budget=1.0, timeout=20.0, proposer="llm", baseline_repeats=0,
-                          max_tokens=250, pipeline=True,
-                          options={"llm_base_url": server.base_url, "llm_model": "m"}), echo=lines.append)
+        run_loop(
+            Settings(
+                repo=repo,
+                tag="p",
+                budget=1.0,
+                timeout=20.0,
+                proposer="llm",
+                baseline_repeats=0,
+                max_tokens=250,
+                pipeline=True,
+                options={"llm_base_url": server.base_url, "llm_model": "m"},
+            ),
+            echo=lines.append,
+        )
         asked = len(server.requests)
     assert [r.description for r in rows(repo, "p")] == ["baseline", "first", "asked again"]
     assert asked == 3 and "reached --max-tokens 250 (360 used)" in lines[-1], lines
     spend = Spend(Paths(repo, "p").spend)
     assert spend.tokens == 360 and spend.requests == 3
-    recorded = sum(read_record(Paths(repo, "p").run_dir(n)).info.get("usage", {}).get("total_tokens", 0)
-                   for n in (1, 2, 3))
+    recorded = sum(
+        read_record(Paths(repo, "p").run_dir(n)).info.get("usage", {}).get("total_tokens", 0) for n in (1, 2, 3)
+    )
     assert recorded == 240  # what the records alone would have counted
 
 
@@ -371,8 +479,18 @@ def test_a_run_slowed_by_a_competing_process_is_run_again_not_counted(fake_repo,
     worse, entered σ and widened it so much that nothing was kept afterwards. Now a run far below its twins'
     throughput is marked disturbed, left out of σ and every mean, and run again."""
     repo = fake_repo(SLOWED)
-    proc = autoloop(repo, "--tag", "d", "--budget", "1", "--max-experiments", "4", "--baseline-repeats", "2",
-                    env=subprocess_env(AUTOLOOP_TEST_COUNTER=str(tmp_path / "counter")))
+    proc = autoloop(
+        repo,
+        "--tag",
+        "d",
+        "--budget",
+        "1",
+        "--max-experiments",
+        "4",
+        "--baseline-repeats",
+        "2",
+        env=subprocess_env(AUTOLOOP_TEST_COUNTER=str(tmp_path / "counter")),
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     records = [read_record(Paths(repo, "d").run_dir(n)) for n in range(1, 5)]
     steps = [r.metrics["num_steps"] for r in records]
@@ -381,6 +499,7 @@ def test_a_run_slowed_by_a_competing_process_is_run_again_not_counted(fake_repo,
     assert "disturbed" in rows(repo, "d")[2].description and "running again" in rows(repo, "d")[2].description
     assert records[3].description.startswith("baseline (repeat") and not records[3].gate.get("disturbed")
     from orchestrator.core.state import load_state
+
     state = load_state(Paths(repo, "d"))
     assert state.runs(1) == [1.001, 1.0, 1.0] or sorted(state.runs(1)) == [1.0, 1.0, 1.001]  # run 3 left out
     assert state.spread().sd < 0.01  # with run 3 it would be ~0.1
@@ -395,9 +514,11 @@ def test_resume_ends_a_killed_runs_worker_whose_parent_is_gone(tmp_path):
     from orchestrator.core.workspace import kill_orphan
 
     pidfile = tmp_path / "worker.pid"
-    code = ("import subprocess, sys\n"
-            "w = subprocess.Popen([sys.executable, '-c', 'import signal, time; signal.signal(signal.SIGTERM, "
-            f"signal.SIG_IGN); time.sleep(3600)'])\nopen({str(pidfile)!r}, 'w').write(str(w.pid))\n")
+    code = (
+        "import subprocess, sys\n"
+        "w = subprocess.Popen([sys.executable, '-c', 'import signal, time; signal.signal(signal.SIGTERM, "
+        f"signal.SIG_IGN); time.sleep(3600)'])\nopen({str(pidfile)!r}, 'w').write(str(w.pid))\n"
+    )
     leader = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
     created = psutil.Process(leader.pid).create_time()
     leader.wait(timeout=30)
@@ -414,9 +535,11 @@ def test_ctrl_c_during_a_git_command_exits_at_once(fake_repo):
     """Found by a stop test under load: Ctrl-C in the middle of a git command left gitpython's deadline timer
     running (it never cancels it), and the exiting controller waited for it: 120 s."""
     repo = fake_repo(fakes.ok(1.0))
-    code = (f"import sys\nfrom orchestrator import gitops\nr = gitops.open_repo(__import__('pathlib').Path({str(repo)!r}))\n"
-            "print('started', flush=True)\ntry:\n    r.git.execute(['git', '-c', 'alias.stuck=!sleep 30', 'stuck'])\n"
-            "except KeyboardInterrupt:\n    print('interrupted', flush=True)\n")
+    code = (
+        f"import sys\nfrom orchestrator.store import gitops\nr = gitops.open_repo(__import__('pathlib').Path({str(repo)!r}))\n"
+        "print('started', flush=True)\ntry:\n    r.git.execute(['git', '-c', 'alias.stuck=!sleep 30', 'stuck'])\n"
+        "except KeyboardInterrupt:\n    print('interrupted', flush=True)\n"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=subprocess_env())
     assert proc.stdout.readline().strip() == "started"
     time.sleep(1.0)

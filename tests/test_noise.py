@@ -8,15 +8,14 @@ import statistics
 import subprocess
 import sys
 
-import pytest
-
 import fakes
+import pytest
 from conftest import subprocess_env
-from orchestrator.store.ledger import read_record, read_rows
-from orchestrator.loop import Settings, run_loop
-from orchestrator.core.noise import Gate, Spread, judge, parent_first, reference_spread, significant_lines
-from orchestrator.store.session import Paths
 
+from orchestrator.core.noise import Gate, Spread, judge, parent_first, reference_spread, significant_lines
+from orchestrator.loop import Settings, run_loop
+from orchestrator.store.ledger import read_record, read_rows
+from orchestrator.store.session import Paths
 
 BASE = [1.000, 1.010, 0.990]  # sd 0.01
 TYPICAL = [[0.9, 0.91, 0.89], [0.8, 0.81], [0.85, 0.84, 0.86]]  # other configurations, sd about 0.01
@@ -113,16 +112,23 @@ def test_parent_first_balances_the_runs():
     assert significant_lines("a = 1\n\n# comment\n  # indented comment\nb = 2\n") == 2
 
 
-VALUES = [1.000, 1.010, 0.990,   # baseline and two repeats: σ = 0.01
-          0.995, 0.990, 0.985,   # A: better but inside the margin, three runs, then discarded
-          0.700,                 # B: far better, kept at once
-          0.705,                 # C: within the margin but shorter: kept as a simplification
-          0.750]                 # D: worse
+VALUES = [
+    1.000,
+    1.010,
+    0.990,  # baseline and two repeats: σ = 0.01
+    0.995,
+    0.990,
+    0.985,  # A: better but inside the margin, three runs, then discarded
+    0.700,  # B: far better, kept at once
+    0.705,  # C: within the margin but shorter: kept as a simplification
+    0.750,
+]  # D: worse
 
 
 def counted(values_path, counter_path, extra: str = "") -> str:
     """A fake train.py printing the next value of a list (a stand-in for noisy training)."""
-    return f'''import json, os
+    return (
+        f"""import json, os
 UNUSED = 1
 {extra}
 values = json.load(open({str(values_path)!r}))
@@ -130,7 +136,9 @@ counter = {str(counter_path)!r}
 k = int(open(counter).read()) if os.path.exists(counter) else 0
 open(counter, "w").write(str(k + 1))
 BPB = values[k]
-''' + fakes.SUMMARY
+"""
+        + fakes.SUMMARY
+    )
 
 
 @pytest.fixture
@@ -139,10 +147,12 @@ def gate_repo(fake_repo, tmp_path, monkeypatch):
     values.write_text(json.dumps(VALUES))
     repo = fake_repo(counted(values, counter))
     base = counted(values, counter)
-    plan = [{"description": "A", "train": counted(values, counter, "# A")},
-            {"description": "B", "train": counted(values, counter, "# B")},
-            {"description": "C", "train": counted(values, counter, "# B").replace("UNUSED = 1\n", "")},
-            {"description": "D", "train": counted(values, counter, "# D")}]
+    plan = [
+        {"description": "A", "train": counted(values, counter, "# A")},
+        {"description": "B", "train": counted(values, counter, "# B")},
+        {"description": "C", "train": counted(values, counter, "# B").replace("UNUSED = 1\n", "")},
+        {"description": "D", "train": counted(values, counter, "# D")},
+    ]
     assert significant_lines(plan[2]["train"]) < significant_lines(base)
     monkeypatch.setenv("AUTOLOOP_TEST_PLAN", str(fakes.write_plan(tmp_path / "plan.json", plan)))
     return repo
@@ -153,16 +163,26 @@ def run(repo, **kw):
     return run_loop(Settings(**{**base, **kw}), echo=lambda line: None)
 
 
-EXPECTED = [("baseline", "keep"), ("baseline (repeat 2/3)", "discard"), ("baseline (repeat 3/3)", "discard"),
-            ("A", "discard"), ("A (repeat 2/3)", "discard"), ("A (repeat 3/3)", "discard"), ("B", "keep"),
-            ("C", "keep"), ("D", "discard")]
+EXPECTED = [
+    ("baseline", "keep"),
+    ("baseline (repeat 2/3)", "discard"),
+    ("baseline (repeat 3/3)", "discard"),
+    ("A", "discard"),
+    ("A (repeat 2/3)", "discard"),
+    ("A (repeat 3/3)", "discard"),
+    ("B", "keep"),
+    ("C", "keep"),
+    ("D", "discard"),
+]
 
 
 def test_noise_gate_end_to_end(gate_repo):
     state = run(gate_repo)
     rows = read_rows(gate_repo / "results.tsv")
-    assert [(r.description.split(" [")[0].split(" (mean")[0].split(" (1 run")[0].split(" (simpl")[0], r.status)
-            for r in rows] == EXPECTED
+    assert [
+        (r.description.split(" [")[0].split(" (mean")[0].split(" (1 run")[0].split(" (simpl")[0], r.status)
+        for r in rows
+    ] == EXPECTED
     assert "inside the margin" in rows[3].description and "running again" in rows[3].description
     assert "(mean of 3 runs, margin " in rows[5].description and abs(rows[5].val_bpb - 0.99) < 1e-9
     assert "B (1 run, margin " in rows[6].description
@@ -172,8 +192,12 @@ def test_noise_gate_end_to_end(gate_repo):
     assert records[5].gate["runs"] == 3 and records[5].gate["margin"] > 0 and records[5].gate["sd"] > 0
     assert {r.group for r in records[3:6]} == {4}
     assert state.best_bpb == 0.705 and abs(state.baseline_bpb - 1.0) < 1e-9
-    out = subprocess.run([sys.executable, "-m", "orchestrator.cli", "status", "--repo", str(gate_repo)],
-                         capture_output=True, text=True, env=subprocess_env()).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "status", "--repo", str(gate_repo)],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+    ).stdout
     assert "noise: typical σ = 0.0" in out
 
 

@@ -7,20 +7,23 @@ import subprocess
 import sys
 import time
 
+import fakes
 import git
 import pytest
-
-import fakes
 from conftest import subprocess_env
-from orchestrator.store.ledger import read_record, read_rows
+
 from orchestrator.loop import Settings, run_loop
+from orchestrator.store.ledger import read_record, read_rows
 from orchestrator.store.session import Paths
 
 
 def timed(bpb: float, sleep: float = 1.5) -> str:
     """A fake train.py that prints when it started and ended, so overlap can be checked."""
-    return ('import time\nprint(f"t_start {time.time()}", flush=True)\n' + fakes.ok(bpb, sleep) +
-            'print(f"t_end {time.time()}")\n')
+    return (
+        'import time\nprint(f"t_start {time.time()}", flush=True)\n'
+        + fakes.ok(bpb, sleep)
+        + 'print(f"t_end {time.time()}")\n'
+    )
 
 
 def span(run_dir) -> tuple[float, float]:
@@ -29,31 +32,48 @@ def span(run_dir) -> tuple[float, float]:
 
 
 def settings(repo, **kw) -> Settings:
-    base = dict(repo=repo, tag="p", budget=10.0, timeout=30.0, proposer="fakes:Scripted", baseline_repeats=0,
-                workers=2, executor_options={"gpus": []})
+    base = dict(
+        repo=repo,
+        tag="p",
+        budget=10.0,
+        timeout=30.0,
+        proposer="fakes:Scripted",
+        baseline_repeats=0,
+        workers=2,
+        executor_options={"gpus": []},
+    )
     base.update(kw)
     return Settings(**base)
 
 
 def test_two_slots_run_generations(fake_repo, plan):
     repo = fake_repo(timed(1.0))
-    plan([
-        {"description": "better", "train": timed(0.8)},
-        {"description": "worse", "train": timed(0.9)},
-        {"description": "crashes", "train": fakes.crash()},
-        {"description": "best", "train": timed(0.7)},
-    ])
+    plan(
+        [
+            {"description": "better", "train": timed(0.8)},
+            {"description": "worse", "train": timed(0.9)},
+            {"description": "crashes", "train": fakes.crash()},
+            {"description": "best", "train": timed(0.7)},
+        ]
+    )
     lines: list[str] = []
     state = run_loop(settings(repo, max_experiments=9), echo=lines.append)
     rows = read_rows(repo / "results.tsv")
     paths = Paths(repo, "p")
     got = [(r.description.split(" [")[0].split(" (1 run")[0], r.status) for r in rows]
     assert got == [
-        ("baseline", "keep"), ("baseline (slot 2)", "discard"),            # generation 1: the baseline twice
-        ("better", "discard"), ("worse", "discard"),                        # generation 2: better is selected
-        ("better (confirmation 1/1)", "keep"), ("baseline (repeat: confirmation)", "discard"),  # confirmed
-        ("crashes", "crash"), ("best", "keep"),  # generation 4: crash frees a slot; one candidate left: judged
-        ("parent (repeat: slot freed early)", "discard"),  # directly (no pick, no bias); the freed slot re-ran the parent
+        ("baseline", "keep"),
+        ("baseline (slot 2)", "discard"),  # generation 1: the baseline twice
+        ("better", "discard"),
+        ("worse", "discard"),  # generation 2: better is selected
+        ("better (confirmation 1/1)", "keep"),
+        ("baseline (repeat: confirmation)", "discard"),  # confirmed
+        ("crashes", "crash"),
+        ("best", "keep"),  # generation 4: crash frees a slot; one candidate left: judged
+        (
+            "parent (repeat: slot freed early)",
+            "discard",
+        ),  # directly (no pick, no bias); the freed slot re-ran the parent
     ], "\n".join(lines)
     assert "best of 2, by 0.2000: confirming" in rows[2].description and "confirmed by 1 run" in rows[4].description
 
@@ -78,8 +98,10 @@ def test_two_slots_run_generations(fake_repo, plan):
 def test_selection_that_does_not_confirm_is_discarded(fake_repo, plan, tmp_path):
     """A candidate that was lucky once (the counter file makes its second run worse) never reaches the branch."""
     counter = tmp_path / "runs-of-lucky"
-    lucky = (f'import os\np = {str(counter)!r}\nk = int(open(p).read()) if os.path.exists(p) else 0\n'
-             f'open(p, "w").write(str(k + 1))\n' + fakes.ok(1.0).replace("BPB = 1.0", "BPB = 0.5 if k == 0 else 1.1"))
+    lucky = (
+        f"import os\np = {str(counter)!r}\nk = int(open(p).read()) if os.path.exists(p) else 0\n"
+        f'open(p, "w").write(str(k + 1))\n' + fakes.ok(1.0).replace("BPB = 1.0", "BPB = 0.5 if k == 0 else 1.1")
+    )
     repo = fake_repo(fakes.ok(1.0))
     plan([{"description": "lucky", "train": lucky}, {"description": "same", "train": fakes.ok(1.0)}])
     run_loop(settings(repo, max_experiments=6), echo=lambda _: None)
@@ -95,23 +117,48 @@ def test_resume_after_a_parallel_session(fake_repo, plan):
     run_loop(settings(repo, max_experiments=4), echo=lambda _: None)
     run_loop(settings(repo, max_experiments=6), echo=lambda _: None)
     rows = read_rows(repo / "results.tsv")
-    assert [r.description for r in rows] == ["baseline", "baseline (slot 2)", "idea 1", "idea 2", "idea 3",
-                                             "idea 4"]
+    assert [r.description for r in rows] == ["baseline", "baseline (slot 2)", "idea 1", "idea 2", "idea 3", "idea 4"]
 
 
 def test_status_shows_every_busy_slot(fake_repo, tmp_path):
     repo = fake_repo(fakes.ok(1.0, sleep=4.0))
     plan_path = fakes.write_plan(tmp_path / "plan.json", [])
     env = subprocess_env(AUTOLOOP_TEST_PLAN=str(plan_path))
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "run", "--repo", str(repo), "--tag", "s",
-                             "--workers", "2", "--gpus", "", "--proposer", "fakes:Scripted", "--budget", "10",
-                             "--max-experiments", "2"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "orchestrator.cli",
+            "run",
+            "--repo",
+            str(repo),
+            "--tag",
+            "s",
+            "--workers",
+            "2",
+            "--gpus",
+            "",
+            "--proposer",
+            "fakes:Scripted",
+            "--budget",
+            "10",
+            "--max-experiments",
+            "2",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline, shown = time.monotonic() + 60, ""
         while time.monotonic() < deadline and not ("slot 0: #" in shown and "slot 1: #" in shown):
-            shown = subprocess.run([sys.executable, "-m", "orchestrator.cli", "status", "--repo", str(repo)],
-                                   env=env, capture_output=True, text=True).stdout
+            shown = subprocess.run(
+                [sys.executable, "-m", "orchestrator.cli", "status", "--repo", str(repo)],
+                env=env,
+                capture_output=True,
+                text=True,
+            ).stdout
             time.sleep(0.3)
         assert "slot 0: #" in shown and "slot 1: #" in shown and "running" in shown, shown
     finally:

@@ -18,7 +18,6 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import ROOT
 
 
@@ -36,7 +35,9 @@ import json, prepare
 docs, held, hidden = prepare.held_out_of_reach(prepare.pystdlib_documents(), 'pystdlib')
 splits = {n: prepare.split_of(n, held) for n, _ in docs}
 """
-    out = run_py(code + """
+    out = run_py(
+        code
+        + """
 import pyarrow.parquet as pq
 texts = {s: set(pq.read_table(p).column('text').to_pylist()) for s, p in
          [(s, prepare.DATA_DIR / f) for s, fs in prepare.load_manifest()['splits'].items() for f in fs]}
@@ -44,7 +45,9 @@ print(json.dumps({'splits': splits, 'sizes': {s: len(t) for s, t in texts.items(
                   'recorded': prepare.load_manifest()['hidden_sources'],
                   'overlap': len(texts['train'] & texts['val']) + len(texts['val'] & texts['holdout'])
                              + len(texts['train'] & texts['holdout'])}))
-""", tiny_env)
+""",
+        tiny_env,
+    )
     first = json.loads(out)
     second = json.loads(run_py(code + "print(json.dumps(splits))", tiny_env))
     assert first["splits"] == second  # stable across processes
@@ -63,8 +66,7 @@ print(json.dumps({'splits': splits, 'sizes': {s: len(t) for s, t in texts.items(
 def test_manifest_records_fingerprint_and_constants(tiny_env):
     manifest = json.loads(run_py("import json, prepare; print(json.dumps(prepare.load_manifest()))", tiny_env))
     assert manifest["profile"] == "tiny" and manifest["dataset"] == "pystdlib"
-    assert manifest["constants"] == {"MAX_SEQ_LEN": 64, "VOCAB_SIZE": 512, "EVAL_TOKENS": 4096,
-                                     "HOLDOUT_TOKENS": 4096}
+    assert manifest["constants"] == {"MAX_SEQ_LEN": 64, "VOCAB_SIZE": 512, "EVAL_TOKENS": 4096, "HOLDOUT_TOKENS": 4096}
     assert len(manifest["fingerprint"]) == 64
     assert any(k.endswith("tokenizer.pkl") for k in manifest["files"])
 
@@ -92,7 +94,8 @@ def test_manifest_detects_changed_file_and_changed_prepare(tiny_env, tmp_path):
 
 
 def test_evaluate_bpb_is_deterministic(tiny_env):
-    out = run_py("""
+    out = run_py(
+        """
 import torch, train, prepare
 torch.manual_seed(0)
 tok = prepare.Tokenizer.from_directory()
@@ -105,7 +108,9 @@ model.eval()
 a = prepare.evaluate_bpb(model, tok, 8); b = prepare.evaluate_bpb(model, tok, 8)
 c = prepare.evaluate_bpb(model, tok, 16)
 print(a, b, c)
-""", dict(tiny_env, GLIBC_TUNABLES="glibc.malloc.check=0"))
+""",
+        dict(tiny_env, GLIBC_TUNABLES="glibc.malloc.check=0"),
+    )
     a, b, c = map(float, out.split()[-3:])
     assert a == b
     assert 1.0 < a < 20.0
@@ -122,8 +127,13 @@ def test_local_directory_dataset(tmp_path):
     lines = [json.dumps({"text": " ".join(rng.choice(words) for _ in range(200))}) for _ in range(10)]
     (corpus / "extra.jsonl").write_text("\n".join(lines))
     env = dict(os.environ, AUTOLOOP_CACHE=str(tmp_path / "cache"), AUTOLOOP_PROFILE="tiny")
-    proc = subprocess.run([sys.executable, str(ROOT / "prepare.py"), "--dataset", str(corpus)], cwd=tmp_path,
-                          env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "prepare.py"), "--dataset", str(corpus)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "130 documents" in proc.stdout
 
@@ -142,13 +152,20 @@ def test_training_reads_documents_in_a_fixed_mixed_order(tmp_path):
     env = dict(os.environ, AUTOLOOP_CACHE=str(tmp_path / "cache"), AUTOLOOP_PROFILE="tiny")
 
     def prepare(*extra):
-        proc = subprocess.run([sys.executable, str(ROOT / "prepare.py"), "--dataset", str(corpus), *extra],
-                              cwd=tmp_path, env=env, capture_output=True, text=True)
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "prepare.py"), "--dataset", str(corpus), *extra],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         assert proc.returncode == 0, proc.stdout + proc.stderr
         return proc.stdout
 
     prepare()
-    out = json.loads(run_py("""
+    out = json.loads(
+        run_py(
+            """
 import json, prepare
 import pyarrow.parquet as pq
 splits = prepare.load_manifest()['splits']
@@ -156,7 +173,10 @@ read = lambda key: [t.split()[0] for f in splits[key] for t in pq.read_table(pre
 print(json.dumps({'train': read('train'), 'val': read('val'), 'record': str(prepare.DATA_DIR / 'splits.json'),
                   'expected': sorted(read('train'), key=lambda n: prepare.train_position(n + '.txt')),
                   'expected_val': sorted(read('val'), key=lambda n: prepare.eval_position(n + '.txt'))}))
-""", dict(env, AUTOLOOP_DATASET=str(corpus))))
+""",
+            dict(env, AUTOLOOP_DATASET=str(corpus)),
+        )
+    )
     assert len(out["train"]) > 150 and out["train"] == out["expected"] and out["train"] != sorted(out["train"])
     assert out["val"] == out["expected_val"] != sorted(out["val"])
     record = Path(out["record"])
@@ -172,8 +192,13 @@ def test_too_small_corpus_says_how_to_fix(tmp_path):
     corpus.mkdir()
     (corpus / "a.txt").write_text("hello world " * 100)
     env = dict(os.environ, AUTOLOOP_CACHE=str(tmp_path / "cache"), AUTOLOOP_PROFILE="tiny")
-    proc = subprocess.run([sys.executable, str(ROOT / "prepare.py"), "--dataset", str(corpus)], cwd=tmp_path,
-                          env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "prepare.py"), "--dataset", str(corpus)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 1
     assert "--dataset /path/to/dir" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -229,7 +254,7 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
             return
         if path.name in self.truncate:
             type(self).truncate = self.truncate - {path.name}
-            self.wfile.write(data[start:start + (len(data) - start) // 2])
+            self.wfile.write(data[start : start + (len(data) - start) // 2])
             self.wfile.flush()
             self.connection.shutdown(socket.SHUT_RDWR)
             return
@@ -271,8 +296,11 @@ def test_online_dataset_downloads_and_prepares(shard_server, tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "3/3 shards" in proc.stdout  # the progress line
     raw = tmp_path / "cache" / "climbmix" / "data" / "raw"
-    assert sorted(p.name for p in raw.iterdir()) == ["shard_00000.parquet", "shard_00001.parquet",
-                                                      "shard_06542.parquet"]
+    assert sorted(p.name for p in raw.iterdir()) == [
+        "shard_00000.parquet",
+        "shard_00001.parquet",
+        "shard_06542.parquet",
+    ]
     manifest = json.loads((tmp_path / "cache" / "climbmix" / "manifest-tiny.json").read_text())
     assert manifest["splits"]["train"] == ["raw/shard_00000.parquet", "raw/shard_00001.parquet"]
     assert manifest["splits"]["val"] == ["val.parquet"]  # from the pinned shard only
@@ -283,14 +311,17 @@ def test_download_resumes_and_checks_the_announced_sha256(shard_server, tmp_path
     _Handler.truncate = {"shard_00001.parquet"}
     _Handler.wrong_sha = {"shard_06542.parquet"}
     dest = tmp_path / "dl"
-    out = run_py(f"""
+    out = run_py(
+        f"""
 import prepare
 ok0 = prepare.download_file({url!r} + "/shard_00000.parquet", {str(dest)!r} + "/a.parquet", attempts=2, backoff=0)
 ok1 = prepare.download_file({url!r} + "/shard_00001.parquet", {str(dest)!r} + "/b.parquet", attempts=2, backoff=0)
 ok2 = prepare.download_file({url!r} + "/missing.parquet", {str(dest)!r} + "/c.parquet", attempts=2, backoff=0)
 ok3 = prepare.download_file({url!r} + "/shard_06542.parquet", {str(dest)!r} + "/d.parquet", attempts=2, backoff=0)
 print(ok0, ok1, ok2, ok3)
-""", dict(os.environ, AUTOLOOP_PROFILE="tiny"))
+""",
+        dict(os.environ, AUTOLOOP_PROFILE="tiny"),
+    )
     assert out.split()[-4:] == ["True", "True", "False", "False"]
     # b: cut off halfway, then continued from where it stopped with a Range request, and complete
     assert len(_Handler.ranges) == 1 and _Handler.ranges[0] != "bytes=0-"
@@ -306,14 +337,17 @@ def test_download_of_a_complete_part_file_or_of_garbage(shard_server, tmp_path):
     # killed after the last byte but before the rename: the server answers the resume with 416
     (dest / "a.parquet.part").write_bytes((root / "shard_00000.parquet").read_bytes())
     _Handler.garbage = {"shard_00001.parquet"}
-    out = run_py(f"""
+    out = run_py(
+        f"""
 import prepare, pyarrow.parquet as pq
 ok0 = prepare.download_file({url!r} + "/shard_00000.parquet", {str(dest)!r} + "/a.parquet", attempts=2, backoff=0,
                             validate=pq.ParquetFile)
 ok1 = prepare.download_file({url!r} + "/shard_00001.parquet", {str(dest)!r} + "/b.parquet", attempts=2, backoff=0,
                             validate=pq.ParquetFile)
 print(ok0, ok1)
-""", dict(os.environ, AUTOLOOP_PROFILE="tiny"))
+""",
+        dict(os.environ, AUTOLOOP_PROFILE="tiny"),
+    )
     assert out.split()[-2:] == ["True", "False"], out
     assert (dest / "a.parquet").read_bytes() == (root / "shard_00000.parquet").read_bytes()
     assert "not a valid file" in out
@@ -374,13 +408,18 @@ for split in ("val", "holdout"):
 """
 
 
-@pytest.mark.parametrize("profile,dataset", [("tiny", "pystdlib"), ("cpu", "pystdlib"), ("gpu", "pystdlib"),
-                                             ("tiny", "pypackages")])
+BIGGER = (("cpu", "pystdlib"), ("gpu", "pystdlib"), ("tiny", "pypackages"))  # a minute or more each: the slow tier
+
+
+@pytest.mark.parametrize(
+    "profile,dataset", [("tiny", "pystdlib"), *(pytest.param(*case, marks=pytest.mark.slow) for case in BIGGER)]
+)
 def test_evaluator_scores_exactly_the_prepared_tokens(profile, dataset, tmp_path_factory):
     """For each offline corpus (pypackages: ~270 MB here, so its larger profiles are left to the GPU check)."""
     cache = tmp_path_factory.getbasetemp() / "eval-cache"  # one corpus each, one tokenizer per profile
-    env = dict(os.environ, AUTOLOOP_CACHE=str(cache), AUTOLOOP_PROFILE=profile, AUTOLOOP_DATASET=dataset,
-               AUTOLOOP_DEVICE="cpu")
+    env = dict(
+        os.environ, AUTOLOOP_CACHE=str(cache), AUTOLOOP_PROFILE=profile, AUTOLOOP_DATASET=dataset, AUTOLOOP_DEVICE="cpu"
+    )
     proc = subprocess.run([sys.executable, "prepare.py"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = run_py(COUNT_TOKENS, env)
@@ -396,8 +435,13 @@ def test_a_corpus_too_small_to_evaluate_is_refused(tmp_path):
     for i in range(400):  # ~2.6 MB: enough to prepare, too few held-out tokens (~5%) to evaluate on
         (corpus / f"doc{i}.txt").write_text(" ".join(rng.choice(words) for _ in range(1100)))
     env = dict(os.environ, AUTOLOOP_CACHE=str(tmp_path / "cache"), AUTOLOOP_PROFILE="gpu", AUTOLOOP_DEVICE="cpu")
-    proc = subprocess.run([sys.executable, str(ROOT / "prepare.py"), "--dataset", str(corpus)], cwd=tmp_path,
-                          env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "prepare.py"), "--dataset", str(corpus)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
     assert "as the evaluator packs them" in proc.stderr and "--profile cpu" in proc.stderr
     assert not list((tmp_path / "cache").glob("*/manifest-gpu.json"))  # nothing half-prepared passes for ready
@@ -406,7 +450,8 @@ def test_a_corpus_too_small_to_evaluate_is_refused(tmp_path):
 def test_dataloader_batches_carry_the_packed_rows_in_order(tiny_env):
     """Several consecutive batches hold exactly the rows the packer makes, inputs and targets shifted by one
     (the host buffers are reused; on CUDA a reused buffer would otherwise be overwritten before its copy)."""
-    out = run_py("""
+    out = run_py(
+        """
 import torch, prepare
 tok = prepare.Tokenizer.from_directory()
 B, T = 3, prepare.MAX_SEQ_LEN
@@ -422,15 +467,20 @@ for x, y in held:
     assert torch.equal(x, expected[:, :-1]) and torch.equal(y, expected[:, 1:])
     assert (x[:, 0] == tok.get_bos_token_id()).all()
 print("ok", len(held))
-""", tiny_env)
+""",
+        tiny_env,
+    )
     assert out.split()[-2:] == ["ok", "6"]
 
 
+@pytest.mark.slow
 def test_evaluation_refuses_a_manifest_changed_since_the_session_pinned_it(tiny_env, tmp_path):
     """A run that rewrites the manifest (e.g. EVAL_TOKENS = 64) must not get a number measured on its terms."""
     cache = tmp_path / "cache"
     shutil.copytree(tiny_env["AUTOLOOP_CACHE"], cache)
-    env = dict(tiny_env, AUTOLOOP_CACHE=str(cache), AUTOLOOP_TIME_BUDGET="1", AUTOLOOP_EVAL_ARTIFACT=str(tmp_path / "m.pt"))
+    env = dict(
+        tiny_env, AUTOLOOP_CACHE=str(cache), AUTOLOOP_TIME_BUDGET="1", AUTOLOOP_EVAL_ARTIFACT=str(tmp_path / "m.pt")
+    )
     proc = subprocess.run([sys.executable, "train.py"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "val_bpb:          nan" in proc.stdout  # under the controller train.py does not evaluate
@@ -456,31 +506,41 @@ def test_controller_reprepares_data_made_by_another_prepare_py(tiny_env, tmp_pat
     other = tmp_path / "prepare.py"
     other.write_text((ROOT / "prepare.py").read_text() + "\n# an older or newer harness\n")
     assert harness.verify(manifest, other) == ["the data was prepared by another prepare.py"]
-    assert harness.manifest_digest(manifest) == run_py(
-        "import prepare; print(prepare.manifest_digest(prepare.load_manifest()))", tiny_env).split()[-1]
+    assert (
+        harness.manifest_digest(manifest)
+        == run_py("import prepare; print(prepare.manifest_digest(prepare.load_manifest()))", tiny_env).split()[-1]
+    )
 
 
 def test_a_python_without_its_test_suite_falls_back_to_the_hash_split_and_says_so(tiny_env, tmp_path):
     """Debian's Python ships without most of its test suite: too little to score on, so the offline corpus is
     split by hash (its validation sources readable by a run), with a warning; the controller repeats it."""
-    out = run_py("""
+    out = run_py(
+        """
 import json, prepare
 docs = [(f"pkg/m{i}.py", "x = 1\\n" * 50, None) for i in range(5)] + [("test/t.py", "y = 2\\n", "/py/test")]
 plain, held, hidden = prepare.held_out_of_reach(docs, "pystdlib")
 print(json.dumps([len(plain), held, hidden]))
 big = [("test/t%d.py" % i, "z = %d\\n" % i * 20000, "/py/test") for i in range(60)]
 print(json.dumps(prepare.held_out_of_reach(docs + big, "pystdlib")[2]))
-""", tiny_env)
+print(json.dumps(sorted(prepare.held_directories(prepare.other_pythons()))))
+""",
+        tiny_env,
+    )
     assert "warning: this Python has only" in out and "libpython3-testsuite" in out
     lines = [line for line in out.splitlines() if line.startswith("[")]
-    assert json.loads(lines[0]) == [6, None, []] and json.loads(lines[1]) == ["/py/test"]
+    hidden, others = json.loads(lines[1]), json.loads(lines[2])
+    assert json.loads(lines[0]) == [6, None, []]
+    assert hidden == sorted({"/py/test", *others})  # and the test suites of every Python on the machine
 
     from orchestrator.trust.harness import scored_on_readable_sources
 
     manifest = tmp_path / "manifest.json"
-    for recorded, readable in [({"dataset": "pystdlib", "hidden_sources": []}, True),
-                               ({"dataset": "pypackages"}, True),  # prepared by an older prepare.py
-                               ({"dataset": "pystdlib", "hidden_sources": ["/py/test"]}, False),
-                               ({"dataset": "climbmix", "hidden_sources": []}, False)]:
+    for recorded, readable in [
+        ({"dataset": "pystdlib", "hidden_sources": []}, True),
+        ({"dataset": "pypackages"}, True),  # prepared by an older prepare.py
+        ({"dataset": "pystdlib", "hidden_sources": ["/py/test"]}, False),
+        ({"dataset": "climbmix", "hidden_sources": []}, False),
+    ]:
         manifest.write_text(json.dumps(recorded))
         assert scored_on_readable_sources(manifest) is readable, recorded

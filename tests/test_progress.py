@@ -11,18 +11,32 @@ import time
 
 from conftest import make_repo, subprocess_env
 
-SLOW_TRAIN = '''import time
+SLOW_TRAIN = """import time
 for step in range(1, 8):
     print(f"step {step:05d} ({100 * step / 7:.1f}%) | loss: {5.0 - step / 10:.6f} | dt: 300ms", flush=True)
     time.sleep(0.4)
 print("---")
 print("val_bpb:          1.000000")
-'''
+"""
 
 
 def cmd(repo):
-    return [sys.executable, "-m", "orchestrator.cli", "run", "--repo", str(repo), "--tag", "p", "--budget", "3",
-            "--max-experiments", "2", "--proposer", "perturb"]
+    return [
+        sys.executable,
+        "-m",
+        "orchestrator.cli",
+        "run",
+        "--repo",
+        str(repo),
+        "--tag",
+        "p",
+        "--budget",
+        "3",
+        "--max-experiments",
+        "2",
+        "--proposer",
+        "perturb",
+    ]
 
 
 def test_progress_line_updates_in_place_on_a_terminal(tmp_path):
@@ -58,8 +72,9 @@ def test_progress_line_updates_in_place_on_a_terminal(tmp_path):
 def test_plain_progress_lines_without_a_terminal(tmp_path):
     repo = tmp_path / "repo"
     make_repo(repo, {"train.py": "# Hyperparameters\nLR = 0.1  # [0.01, 1.0]\n" + SLOW_TRAIN})
-    proc = subprocess.run(cmd(repo), capture_output=True, text=True, timeout=120,
-                          env=subprocess_env(AUTOLOOP_PROGRESS_SECONDS="1"))
+    proc = subprocess.run(
+        cmd(repo), capture_output=True, text=True, timeout=120, env=subprocess_env(AUTOLOOP_PROGRESS_SECONDS="1")
+    )
     assert proc.returncode == 0, proc.stderr
     assert "\r" not in proc.stdout and "\x1b[" not in proc.stdout
     progress = [line for line in proc.stdout.splitlines() if line.startswith("#1 training")]

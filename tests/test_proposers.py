@@ -5,16 +5,16 @@ from __future__ import annotations
 import textwrap
 
 import pytest
+from conftest import ROOT
 
 from orchestrator.contract import check_proposer, make_fake_repo, train_sources
-from orchestrator.store.hparams import read_constants, set_constant
-from orchestrator.store.ledger import read_rows
 from orchestrator.loop import Settings, run_loop
 from orchestrator.proposers import available
-from orchestrator.proposers.space import config_of
 from orchestrator.proposers.queue import Queue
+from orchestrator.proposers.space import config_of
+from orchestrator.store.hparams import read_constants, set_constant
+from orchestrator.store.ledger import read_rows
 from orchestrator.store.session import Paths
-from conftest import ROOT
 
 BUILTINS = ["search", "random", "tpe", "cmaes", "perturb", "queue"]
 
@@ -40,14 +40,17 @@ def queue_three_ideas(repo):
     q = Queue(Paths(repo, "_").queue)
     q.add("lower lr", {"LR": "0.02"})
     q.add("mode b", {"MODE": "'b'"})
-    q.add("deeper via patch", patch="""--- a/train.py
+    q.add(
+        "deeper via patch",
+        patch="""--- a/train.py
 +++ b/train.py
 @@ -9,3 +9,3 @@
  WIDTH = 128  # channels  [16, 1024]
 -DEPTH = 4  # layers  [1, 12]
 +DEPTH = 5  # layers  [1, 12]
  WARMUP = 0.0  # share of the budget  [0.0, 0.5]
-""")
+""",
+    )
 
 
 def test_parser_on_the_shipped_train_py():
@@ -75,7 +78,7 @@ def test_constants_beside_non_ascii_text_keep_their_exact_source():
 
 
 def test_parser_on_odd_layouts():
-    source = textwrap.dedent('''\
+    source = textwrap.dedent("""\
         X = 1  # before the section: ignored
         # ---------------------------------------------------------------------------
         # Hyperparameters
@@ -95,7 +98,7 @@ def test_parser_on_odd_layouts():
         # Model
         # ---------------------------------------------------------------------------
         AFTER = 7
-        ''')
+        """)
     consts = {c.name: c for c in read_constants(source)}
     assert list(consts) == ["NEG", "SCI", "POW", "BETAS", "NAME", "HASH"]
     assert consts["NEG"].value == -3 and (consts["NEG"].low, consts["NEG"].high) == (-10, 10)
@@ -111,23 +114,57 @@ def test_parser_on_odd_layouts():
 
 
 def run_search(repo, n, seed=0, tag="s"):
-    return run_loop(Settings(repo=repo, tag=tag, budget=1, timeout=30, proposer="search", max_experiments=n,
-                             seed=seed, baseline_repeats=0), echo=lambda line: None)
+    return run_loop(
+        Settings(
+            repo=repo,
+            tag=tag,
+            budget=1,
+            timeout=30,
+            proposer="search",
+            max_experiments=n,
+            seed=seed,
+            baseline_repeats=0,
+        ),
+        echo=lambda line: None,
+    )
 
 
-def test_search_improves_never_repeats_and_avoids_the_crash_region(tmp_path):
-    repo = make_fake_repo(tmp_path / "r")
-    state = run_search(repo, 30)
-    rows = read_rows(repo / "results.tsv")
+@pytest.fixture(scope="module")
+def search_session(tmp_path_factory):
+    """One 40-experiment session of `search` on the fake bowl, for the tests that only read one. Its randomness is
+    seeded by the history, so its first 30 runs are those a 30-experiment session makes."""
+    repo = make_fake_repo(tmp_path_factory.mktemp("search") / "r")
+    run_loop(
+        Settings(
+            repo=repo,
+            tag="s",
+            budget=1,
+            timeout=30,
+            proposer="search",
+            max_experiments=40,
+            seed=0,
+            baseline_repeats=0,
+            sandbox="off",
+        ),
+        echo=lambda line: None,
+    )  # (before conftest's `unconfined`)
+    return repo
+
+
+def test_search_improves_never_repeats_and_avoids_the_crash_region(search_session):
+    repo = search_session
+    rows = read_rows(repo / "results.tsv")[:30]
     sources = train_sources(repo, "s", len(rows))
     configs = [config_of(s, None) for s in sources]
     assert len({tuple(sorted((k, repr(v)) for k, v in c.items())) for c in configs}) == len(configs)
-    assert state.best_bpb < rows[0].val_bpb - 0.05  # it finds real improvements on the bowl
+    best = min(r.val_bpb for r in rows if r.status == "keep")
+    assert best < rows[0].val_bpb - 0.05  # it finds real improvements on the bowl
     ooms = [i for i, r in enumerate(rows) if r.status == "crash"]
     assert 1 <= len(ooms) <= 3  # the fake runs out of memory at WIDTH >= 512, whatever its depth
     for i in ooms:  # each crash closes what is at least as wide and as deep (memory grows with both)
-        assert not any(c["WIDTH"] >= configs[i]["WIDTH"] and c["DEPTH"] >= configs[i]["DEPTH"]
-                       for c in configs[i + 1:])
+        assert not any(
+            c["WIDTH"] >= configs[i]["WIDTH"] and c["DEPTH"] >= configs[i]["DEPTH"] for c in configs[i + 1 :]
+        )
     for row in rows[1:]:
         assert " -> " in row.description  # e.g. "LR 0.04 -> 0.0567"
 
@@ -161,15 +198,16 @@ def test_search_survives_a_restart(tmp_path):
     resumed = make_fake_repo(tmp_path / "b")
     run_search(resumed, 4)
     run_search(resumed, 10)  # a new proposer instance, rebuilt from results.tsv + records + git
-    assert [r.description for r in read_rows(straight / "results.tsv")] == \
-           [r.description for r in read_rows(resumed / "results.tsv")]
+    assert [r.description for r in read_rows(straight / "results.tsv")] == [
+        r.description for r in read_rows(resumed / "results.tsv")
+    ]
 
 
 def test_search_learns_each_idea_once_from_its_decided_outcome():
     """A promising idea's first run reads `discard` in results.tsv while the gate runs it again: search must not
     learn 'discarded' from it (nor count its repeats as more tries); it learns the final decision."""
-    from orchestrator.store.ledger import Record
     from orchestrator.proposers.search import outcomes
+    from orchestrator.store.ledger import Record
 
     def rec(n, status, decision, group=None):
         return Record(n=n, status=status, description="x", commit="c", gate={"decision": decision}, group=group)
@@ -181,14 +219,13 @@ def test_search_learns_each_idea_once_from_its_decided_outcome():
     assert outcomes([rec(1, "crash", "")])[1] == "crash"
 
 
-def test_search_screens_first_then_jumps(tmp_path):
+def test_search_screens_first_then_jumps(search_session):
     """The first 10 ideas are local moves around the default (the screen); after it every idea is a jump of the
     model (TPE over every constant), except a push of a kept local move further the same way. Every idea's
     record names its move."""
     from orchestrator.store.ledger import read_record
 
-    repo = make_fake_repo(tmp_path / "r")
-    run_search(repo, 40)
+    repo = search_session
     records = [read_record(Paths(repo, "s").run_dir(n)) for n in range(2, 41)]
     ideas = [r for r in records if r is not None and (r.group or r.n) == r.n]
     moves = [r.info.get("move") for r in ideas]
@@ -221,11 +258,18 @@ def test_search_starts_with_a_screen_of_one_constant_one_way_sizes_first(tmp_pat
     for i, (row, config) in enumerate(zip(rows[1:], configs[1:]), 1):
         changed = {k: v for k, v in config.items() if v != best[k]}
         assert len(changed) == 1, row.description
-        (name, value), = changed.items()
+        ((name, value),) = changed.items()
         move = (name, value if name == "MODE" else (1 if value > best[name] else -1))
         assert move not in seen, row.description
-        sizes = {(n, d) for n in ("WIDTH", "DEPTH") for d in (1, -1)  # both powers of two: one doubling
-                 if {**best, n: best[n] * 2 ** d} not in configs[:i]} - closed
+        sizes = (
+            {
+                (n, d)
+                for n in ("WIDTH", "DEPTH")
+                for d in (1, -1)  # both powers of two: one doubling
+                if {**best, n: best[n] * 2**d} not in configs[:i]
+            }
+            - closed
+        )
         assert name in ("WIDTH", "DEPTH") or sizes <= seen, row.description
         seen.add(move)
         if row.status == "crash" and move == ("WIDTH", 1):
@@ -235,17 +279,16 @@ def test_search_starts_with_a_screen_of_one_constant_one_way_sizes_first(tmp_pat
     assert any(row.description.startswith("LR ") for row in rows)  # past the sizes, the rates
 
 
-def test_search_proposes_the_same_idea_after_a_restart_past_its_start_up(tmp_path):
+def test_search_proposes_the_same_idea_after_a_restart_past_its_start_up(search_session, tmp_path):
     """Two fresh instances on the same history (past the screen: local moves and TPE both in play) propose the same
     edit: the state is rebuilt from the history, the randomness seeded by it."""
     import shutil
 
-    from orchestrator.store.ledger import read_record
     from orchestrator.proposers.base import Context
     from orchestrator.proposers.search import SearchProposer
+    from orchestrator.store.ledger import read_record
 
-    repo = make_fake_repo(tmp_path / "r")
-    run_search(repo, 30)
+    repo = search_session
     history = [r for r in (read_record(Paths(repo, "s").run_dir(n)) for n in range(1, 31)) if r is not None]
     assert {"model", "local"} <= {r.info.get("move") for r in history}
     proposals = []
@@ -263,17 +306,19 @@ def test_trials_keep_powers_of_two_and_survive_undeclared_values():
     declares (a queued idea's choice, a value past today's range) is left out of its trial, not an error."""
     import optuna
 
-    from orchestrator.store.ledger import Record
     from orchestrator.proposers.space import Param
     from orchestrator.proposers.tpe import as_declared, finished_trials
+    from orchestrator.store.ledger import Record
 
     batch = Param("B", "pow2", 2, 24)
     assert [as_declared(batch, v) for v in (1, 3, 5, 11, 23, 100)] == [2, 4, 4, 8, 16, 16]
     space = {"W": Param("W", "choice", choices=("a", "b")), "LR": Param("LR", "log", 1e-3, 1.0)}
-    runs = [(Record(n=1, status="keep", description="base", val_bpb=1.0), {"W": "a", "LR": 0.01}),
-            (Record(n=2, status="discard", description="x", val_bpb=1.2), {"W": "zzz", "LR": 0.02}),
-            (Record(n=3, status="discard", description="x", val_bpb=1.4), {"W": "zzz", "LR": 0.02}),
-            (Record(n=4, status="crash", description="x", cause="environment"), {"W": "b", "LR": 0.5})]
+    runs = [
+        (Record(n=1, status="keep", description="base", val_bpb=1.0), {"W": "a", "LR": 0.01}),
+        (Record(n=2, status="discard", description="x", val_bpb=1.2), {"W": "zzz", "LR": 0.02}),
+        (Record(n=3, status="discard", description="x", val_bpb=1.4), {"W": "zzz", "LR": 0.02}),
+        (Record(n=4, status="crash", description="x", cause="environment"), {"W": "b", "LR": 0.5}),
+    ]
     trials = finished_trials(optuna, space, runs)
     assert [t.params for t in trials] == [{"W": "a", "LR": 0.01}, {"LR": 0.02}]  # the machine's crash: no trial
     assert [t.value for t in trials] == [1.0, pytest.approx(1.3)]  # one trial per configuration, its mean

@@ -8,15 +8,15 @@ import subprocess
 import sys
 import time
 
-from conftest import make_repo, subprocess_env
+from conftest import cli, make_repo, subprocess_env
+
 from orchestrator.contract import FAKE_TRAIN
 from orchestrator.store.ledger import read_record, read_rows
 from orchestrator.store.session import Paths
 
 
-def autoloop(*args, env=None, timeout=120):
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True,
-                          env=env or subprocess_env(), timeout=timeout)
+def autoloop(*args, env=None):
+    return cli(*args, env=env or subprocess_env())  # in this process (conftest.cli)
 
 
 def test_queue_cli_and_queue_proposer_end_to_end(tmp_path):
@@ -50,11 +50,38 @@ def test_queue_cli_and_queue_proposer_end_to_end(tmp_path):
 
 def test_idea_queued_while_the_loop_runs_is_taken_next(tmp_path):
     repo = tmp_path / "repo"
-    slow = FAKE_TRAIN.replace("import math", "import math, time\ntime.sleep(4.0)")  # room for `queue add`
-    make_repo(repo, {"train.py": slow})
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "run", "--repo", str(repo), "--tag", "live",
-                             "--budget", "1", "--max-experiments", "4"], env=subprocess_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    gate = tmp_path / "gate"  # run 2 trains until the test has queued its idea (30 s at most)
+    gated = FAKE_TRAIN.replace(
+        "import math",
+        (
+            "import math, os, time\nfrom pathlib import Path as _P\n_c = _P(os.environ['AUTOLOOP_TEST_COUNTER'])\n"
+            "_run = int(_c.read_text()) + 1 if _c.exists() else 1\n_c.write_text(str(_run))\n_t0 = time.monotonic()\n"
+            "while _run == 2 and not os.path.exists(os.environ['AUTOLOOP_TEST_GATE']) and time.monotonic() - _t0 < 30:\n"
+            "    time.sleep(0.05)"
+        ),
+        1,
+    )
+    make_repo(repo, {"train.py": gated})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "orchestrator.cli",
+            "run",
+            "--repo",
+            str(repo),
+            "--tag",
+            "live",
+            "--budget",
+            "30",
+            "--max-experiments",
+            "4",
+        ],
+        env=subprocess_env(AUTOLOOP_TEST_COUNTER=str(tmp_path / "runs"), AUTOLOOP_TEST_GATE=str(gate)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     status = Paths(repo, "live").status
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -66,6 +93,7 @@ def test_idea_queued_while_the_loop_runs_is_taken_next(tmp_path):
             pass
         time.sleep(0.05)
     added = autoloop("queue", "add", "wider, from the queue", "--set", "WIDTH=256", "--repo", str(repo))
+    gate.touch()
     assert added.returncode == 0
     try:
         out, _ = proc.communicate(timeout=90)

@@ -8,14 +8,15 @@ from __future__ import annotations
 import threading
 import time
 
+import fakes
 import pytest
 
-import fakes
 from orchestrator import contract
-from orchestrator.store.ledger import read_record, read_rows
 from orchestrator.loop import Settings, run_loop
+from orchestrator.store.ledger import read_record, read_rows
 from orchestrator.store.session import Paths, read_status
 
+pytestmark = pytest.mark.slow  # a local Ray cluster per test
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
@@ -42,16 +43,22 @@ def cluster():
 def test_node_lost_mid_run_is_retried_not_recorded_as_a_crash(cluster, fake_repo, tmp_path, monkeypatch):
     c, nodes = cluster
     repo = fake_repo(fakes.ok(1.0))
-    plan = fakes.write_plan(tmp_path / "plan.json", [{"description": "slow idea", "train": fakes.ok(0.9, 8.0)},
-                                                     {"description": "other idea", "train": fakes.ok(0.95, 8.0)}])
+    plan = fakes.write_plan(
+        tmp_path / "plan.json",
+        [
+            {"description": "slow idea", "train": fakes.ok(0.9, 8.0)},
+            {"description": "other idea", "train": fakes.ok(0.95, 8.0)},
+        ],
+    )
     monkeypatch.setenv("AUTOLOOP_TEST_PLAN", str(plan))
     paths = Paths(repo, "r")
     lost = threading.Event()
 
     def lose_a_node() -> None:
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not (len(read_rows(paths.ledger)) >= 2 and len(
-                (read_status(paths).get("running") or [])) == 2):
+        while time.monotonic() < deadline and not (
+            len(read_rows(paths.ledger)) >= 2 and len(read_status(paths).get("running") or []) == 2
+        ):
             time.sleep(0.2)
         time.sleep(2.0)  # the two ideas are now training (status lists both), on two of the three GPU nodes
         for node in nodes[:2]:  # at least one of them holds a running idea
@@ -60,8 +67,20 @@ def test_node_lost_mid_run_is_retried_not_recorded_as_a_crash(cluster, fake_repo
 
     threading.Thread(target=lose_a_node, daemon=True).start()
     lines: list[str] = []
-    run_loop(Settings(repo=repo, tag="r", budget=10.0, timeout=60.0, proposer="fakes:Scripted",
-                      baseline_repeats=0, executor="ray", workers=2, max_experiments=4), echo=lines.append)
+    run_loop(
+        Settings(
+            repo=repo,
+            tag="r",
+            budget=10.0,
+            timeout=60.0,
+            proposer="fakes:Scripted",
+            baseline_repeats=0,
+            executor="ray",
+            workers=2,
+            max_experiments=4,
+        ),
+        echo=lines.append,
+    )
     assert lost.is_set()
     rows = read_rows(paths.ledger)
     assert [r.status for r in rows] == ["keep", "discard", "discard", "discard"], "\n".join(lines)

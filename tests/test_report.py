@@ -5,12 +5,9 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
-
-from conftest import TESTS, make_repo, subprocess_env
+from conftest import TESTS, cli, make_repo, subprocess_env
 
 FIXTURE = TESTS / "fixtures" / "cpu_session"
 
@@ -26,8 +23,7 @@ def session_repo(tmp_path):
 
 
 def autoloop(*args):
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True,
-                          env=subprocess_env(), timeout=120)
+    return cli(*args, env=subprocess_env())  # in this process (conftest.cli)
 
 
 def test_report_numbers_and_json_round_trip(session_repo, tmp_path):
@@ -73,15 +69,19 @@ def test_results_table_filters(session_repo):
 
 def test_results_tsv_reads_like_upstream_analysis(fake_repo, plan):
     """analysis.ipynb reads results.tsv with pandas by column name: a ledger this code writes, crash included."""
+    import fakes
     import pandas as pd
 
-    import fakes
     from orchestrator.loop import Settings, run_loop
 
     repo = fake_repo(fakes.ok(1.0))
-    plan([{"description": "better\twith a tab", "train": fakes.ok(0.9)}, {"description": "boom", "train": fakes.crash()}])
-    run_loop(Settings(repo=repo, tag="u", budget=1.0, timeout=20.0, proposer="fakes:Scripted", baseline_repeats=0),
-             echo=lambda _: None)
+    plan(
+        [{"description": "better\twith a tab", "train": fakes.ok(0.9)}, {"description": "boom", "train": fakes.crash()}]
+    )
+    run_loop(
+        Settings(repo=repo, tag="u", budget=1.0, timeout=20.0, proposer="fakes:Scripted", baseline_repeats=0),
+        echo=lambda _: None,
+    )
     df = pd.read_csv(repo / "results.tsv", sep="\t")
     assert list(df.columns) == ["commit", "val_bpb", "memory_gb", "mfu_percent", "status", "description"]
     assert list(df["status"]) == ["keep", "keep", "crash"] and df["commit"].str.len().eq(7).all()

@@ -8,22 +8,45 @@ import subprocess
 import sys
 import time
 
+import fakes
 import git
 import psutil
 import pytest
-
-import fakes
 from conftest import subprocess_env
+
 from orchestrator.store.ledger import read_rows
 from orchestrator.store.session import Paths
 
 
 def start(repo, plan_path, *extra):
-    cmd = [sys.executable, "-m", "orchestrator.cli", "run", "--repo", str(repo), "--tag", "k", "--budget", "6",
-           "--timeout", "30", "--proposer", "fakes:Scripted", "--max-experiments", "6", "--baseline-repeats", "0",
-           *extra]
-    return subprocess.Popen(cmd, env=subprocess_env(AUTOLOOP_TEST_PLAN=str(plan_path)),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "orchestrator.cli",
+        "run",
+        "--repo",
+        str(repo),
+        "--tag",
+        "k",
+        "--budget",
+        "6",
+        "--timeout",
+        "30",
+        "--proposer",
+        "fakes:Scripted",
+        "--max-experiments",
+        "6",
+        "--baseline-repeats",
+        "0",
+        *extra,
+    ]
+    return subprocess.Popen(
+        cmd,
+        env=subprocess_env(AUTOLOOP_TEST_PLAN=str(plan_path)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def wait_for(predicate, timeout=30.0):
@@ -49,8 +72,14 @@ PLAN = [
     {"description": "e5 worse", "train": fakes.ok(0.85)},
     {"description": "e6 best", "train": fakes.ok(0.7)},
 ]
-EXPECTED = [("baseline", "keep"), ("e2 slow proposal", "keep"), ("e3 slow training", "discard"),
-            ("e4 better", "keep"), ("e5 worse", "discard"), ("e6 best", "keep")]
+EXPECTED = [
+    ("baseline", "keep"),
+    ("e2 slow proposal", "keep"),
+    ("e3 slow training", "discard"),
+    ("e4 better", "keep"),
+    ("e5 worse", "discard"),
+    ("e6 best", "keep"),
+]
 
 
 @pytest.mark.timeout(180)
@@ -68,8 +97,9 @@ def test_sigkill_at_several_points_then_resume(fake_repo, tmp_path):
 
     # 2. killed while experiment 3 trains (its train.py keeps running: the restart must end it)
     proc = start(repo, plan_path)
-    wait_for(lambda: status(repo).get("phase") == "training" and status(repo).get("n") == 3
-             and status(repo).get("train_pid"))
+    wait_for(
+        lambda: status(repo).get("phase") == "training" and status(repo).get("n") == 3 and status(repo).get("train_pid")
+    )
     orphan = status(repo)["train_pid"]
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -104,10 +134,24 @@ def test_second_run_on_same_tag_refuses_while_first_alive(fake_repo, tmp_path):
     first = start(repo, plan_path)
     try:
         wait_for(lambda: status(repo).get("phase") == "training" and status(repo).get("n") == 2)
-        second = subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", "--repo", str(repo), "--tag", "k",
-                                 "--proposer", "fakes:Scripted"],
-                                env=subprocess_env(AUTOLOOP_TEST_PLAN=str(plan_path)), capture_output=True,
-                                text=True, timeout=60)
+        second = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "orchestrator.cli",
+                "run",
+                "--repo",
+                str(repo),
+                "--tag",
+                "k",
+                "--proposer",
+                "fakes:Scripted",
+            ],
+            env=subprocess_env(AUTOLOOP_TEST_PLAN=str(plan_path)),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert second.returncode == 1
         assert "already running on tag 'k'" in second.stderr and "Traceback" not in second.stderr
     finally:
@@ -128,8 +172,10 @@ def running(pid: int) -> bool:
 
 def start_slow_runs(repo, tmp_path, workers: int):
     """A loop on `workers` slots whose second generation's runs each train for a minute: (process, their pids)."""
-    plan_path = fakes.write_plan(tmp_path / "plan.json", [
-        {"description": f"slow {i}", "train": fakes.ok(0.95 + i / 100, sleep=60.0)} for i in range(workers)])
+    plan_path = fakes.write_plan(
+        tmp_path / "plan.json",
+        [{"description": f"slow {i}", "train": fakes.ok(0.95 + i / 100, sleep=60.0)} for i in range(workers)],
+    )
     proc = start(repo, plan_path, "--workers", str(workers), "--gpus", "")
     wait_for(lambda: len(status(repo).get("train_pids") or {}) == workers and status(repo).get("generation") == 2)
     return proc, [pid for pid, _ in status(repo)["train_pids"].values()]
@@ -145,8 +191,10 @@ def test_sigkill_while_training_then_resume(fake_repo, tmp_path, workers):
     first.communicate(timeout=30)
     # each run ends with its controller (its reaper is told of the death), before any restart looks for it
     wait_for(lambda: not [pid for pid in orphans if running(pid)], timeout=15)
-    fast = fakes.write_plan(tmp_path / "plan.json", [{"description": f"slow {i}", "train": fakes.ok(0.95 + i / 100)}
-                                                     for i in range(workers)])
+    fast = fakes.write_plan(
+        tmp_path / "plan.json",
+        [{"description": f"slow {i}", "train": fakes.ok(0.95 + i / 100)} for i in range(workers)],
+    )
     second = start(repo, fast, "--workers", str(workers), "--gpus", "", "--max-experiments", str(2 * workers))
     out, _ = second.communicate(timeout=120)
     assert second.returncode == 0, out
@@ -157,6 +205,7 @@ def test_sigkill_while_training_then_resume(fake_repo, tmp_path, workers):
             pass
     rows = read_rows(repo / "results.tsv")
     baseline = ["baseline"] + [f"baseline (slot {i + 2})" for i in range(workers - 1)]
-    assert [r.description.split(" [")[0].split(" (1 run")[0] for r in rows] == \
-        baseline + [f"slow {i}" for i in range(workers)]
+    assert [r.description.split(" [")[0].split(" (1 run")[0] for r in rows] == baseline + [
+        f"slow {i}" for i in range(workers)
+    ]
     assert (repo / ".autoloop" / "k" / "incomplete").is_dir()  # the killed runs' directories were kept aside

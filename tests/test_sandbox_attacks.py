@@ -23,23 +23,24 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+import fakes
 import psutil
 import pytest
-
-import fakes
 from conftest import ROOT, make_repo
-from orchestrator.trust import confine
+
 from orchestrator.executors import base
 from orchestrator.executors.base import Job, JobResult, run_steps
+from orchestrator.trust import confine
 
-needs_bwrap = pytest.mark.skipif(confine.sandbox_problem() != "",
-                                 reason=f"bubblewrap cannot run here ({confine.sandbox_problem()})")
+needs_bwrap = pytest.mark.skipif(
+    confine.sandbox_problem() != "", reason=f"bubblewrap cannot run here ({confine.sandbox_problem()})"
+)
 NOBODY = 65534
 SETPRIV = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
 
 # What every attack starts with: attempt(name, fn) records `name` as managed when fn returns (and what it got);
 # need(x) raises where x is empty, check(rc) where a libc call failed.
-PRELUDE = '''
+PRELUDE = """
 import ctypes, json, os, socket, sys, time
 libc = ctypes.CDLL(None, use_errno=True)
 got, tried, errors = {}, [], {}
@@ -61,7 +62,7 @@ def check(rc):
         raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
     return rc
 
-'''
+"""
 DONE = '\nprint("RESULT " + json.dumps({"got": got, "tried": tried, "errors": errors}), flush=True)\n'
 
 
@@ -69,7 +70,7 @@ def outcome(log: str) -> dict:
     """The step's RESULT line: what it tried, got, and the errors that stopped it."""
     lines = [line for line in log.splitlines() if line.startswith("RESULT ")]
     assert lines, f"the attack did not finish:\n{log[-3000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def can_drop_to_nobody(python: str) -> str:
@@ -84,6 +85,7 @@ def can_drop_to_nobody(python: str) -> str:
 class Box:
     """One attack's ground: a git repository with the step's worktree (its .git a file), an out directory, all
     under /tmp (which the sandbox empties: the repository is bound back read-only, like a project elsewhere)."""
+
     base: Path
     repo: Path
     work: Path
@@ -91,19 +93,33 @@ class Box:
     python: str
     user: str
 
-    def run(self, code: str | list[str], hidden: list[tuple[str, ...]] | None = None, env: dict | None = None,
-            readable: tuple[str, ...] = (), read_only: tuple[str, ...] = (), timeout: float = 60.0,
-            net: bool = False) -> tuple[JobResult, list[str]]:
+    def run(
+        self,
+        code: str | list[str],
+        hidden: list[tuple[str, ...]] | None = None,
+        env: dict | None = None,
+        readable: tuple[str, ...] = (),
+        read_only: tuple[str, ...] = (),
+        timeout: float = 60.0,
+        net: bool = False,
+    ) -> tuple[JobResult, list[str]]:
         """Run each code as a step (attack_<i>.py in the worktree) in the sandbox; the result and each step's log."""
         codes = [code] if isinstance(code, str) else code
         for i, source in enumerate(codes):
             (self.work / f"attack_{i}.py").write_text(PRELUDE + source + DONE)
             self.own(self.work / f"attack_{i}.py")
-        job = Job(steps=[[self.python, f"attack_{i}.py"] for i in range(len(codes))],
-                  logs=[f"step{i}.log" for i in range(len(codes))],
-                  env={**confine.allowed_env(), "HOME": str(self.out), **(env or {})}, timeout_s=timeout,
-                  workdir=self.work, out_dir=self.out, sandbox={"net": net, "required": True},
-                  step_hidden=hidden or [], readable=(str(self.base), *readable), read_only=read_only)
+        job = Job(
+            steps=[[self.python, f"attack_{i}.py"] for i in range(len(codes))],
+            logs=[f"step{i}.log" for i in range(len(codes))],
+            env={**confine.allowed_env(), "HOME": str(self.out), **(env or {})},
+            timeout_s=timeout,
+            workdir=self.work,
+            out_dir=self.out,
+            sandbox={"net": net, "required": True},
+            step_hidden=hidden or [],
+            readable=(str(self.base), *readable),
+            read_only=read_only,
+        )
         result = run_steps(job, self.work, self.out, {"CUDA_VISIBLE_DEVICES": ""})
         return result, [s.log.read_text() for s in result.steps]
 
@@ -202,8 +218,13 @@ def our_netns(user):
     where = tmp_dir()
     handle = where / "net"
     handle.touch()
-    mounted = os.geteuid() == 0 and subprocess.run(["mount", "--bind", f"/proc/{os.getpid()}/ns/net", str(handle)],
-                                                capture_output=True).returncode == 0
+    mounted = (
+        os.geteuid() == 0
+        and subprocess.run(
+            ["mount", "--bind", f"/proc/{os.getpid()}/ns/net", str(handle)], capture_output=True
+        ).returncode
+        == 0
+    )
     try:
         yield handle if mounted else None
     finally:
@@ -224,7 +245,8 @@ def test_a_step_cannot_join_our_network_namespace_nor_reach_our_loopback(box, ou
     abstract.listen()
     handles = ["/proc/self/ns/net", "/proc/1/ns/net", *([str(our_netns)] if our_netns else [])]
     try:
-        result = box.attack(f'''
+        result = box.attack(
+            f"""
 def join(path):
     return check(libc.setns(os.open(path, os.O_RDONLY), 0x40000000))  # CLONE_NEWNET
 for path in {handles!r} + [f"/proc/{{p}}/ns/net" for p in os.listdir("/proc") if p.isdigit() and p != "1"]:
@@ -234,7 +256,9 @@ def abstract():
     s = socket.socket(socket.AF_UNIX)
     s.connect({name!r})
 attempt("abstract socket", abstract)
-''', readable=(str(our_netns.parent),) if our_netns else ())
+""",
+            readable=(str(our_netns.parent),) if our_netns else (),
+        )
     finally:
         server.close()
         abstract.close()
@@ -247,10 +271,13 @@ def test_with_the_network_on_a_step_reaches_it(box):
     """--sandbox-net: our network namespace, and the resolver's configuration (which may lie under /run)."""
     server = socket.create_server(("127.0.0.1", 0))
     try:
-        result = box.attack(f'''
+        result = box.attack(
+            f"""
 attempt("loopback", lambda: socket.create_connection(("127.0.0.1", {server.getsockname()[1]}), 3).close())
 attempt("resolv.conf", lambda: open("/etc/resolv.conf").read() if os.path.exists("/etc/resolv.conf") else "none")
-''', net=True)
+""",
+            net=True,
+        )
     finally:
         server.close()
     assert set(result["got"]) == {"loopback", "resolv.conf"}, result
@@ -269,7 +296,7 @@ def neighbour(user):
         proc.wait()
 
 
-SPIES = '''
+SPIES = """
 def seen(pid, part):
     with open(f"/proc/{pid}/{part}", "rb") as f:
         return f.read()
@@ -290,23 +317,26 @@ def find(part, needle):
         except OSError:
             pass
     return need(hits)
-'''
+"""
 
 
 @needs_bwrap
 def test_our_processes_and_their_environments_are_out_of_sight(box, neighbour):
     """Old: the step read OPENAI_API_KEY from the controller's /proc/<pid>/environ."""
     secret, marker = neighbour
-    result = box.attack(SPIES + f'''
+    result = box.attack(
+        SPIES
+        + f"""
 attempt("our processes", lambda: find("cmdline", {marker!r}))
 attempt("their environments", lambda: find("environ", {secret!r}))
 attempt("an ancestor outside", lambda: need([p for p in chain() if p != 1]))
 attempt("our terminal session", lambda: need(os.getsid(0) == 0))  # led from outside: keys could be pushed into it
-''')
+"""
+    )
     assert len(result["tried"]) == 4 and result["got"] == {}, result
 
 
-DRIVER = '''
+DRIVER = """
 import json, sys
 from pathlib import Path
 from orchestrator.executors.base import Job, run_steps
@@ -314,7 +344,7 @@ spec = json.loads(sys.argv[1])
 job = Job(**{**spec, "workdir": Path(spec["workdir"]), "out_dir": Path(spec["out_dir"])})
 result = run_steps(job, job.workdir, job.out_dir, {})
 sys.exit(0 if result.ok else 1)
-'''
+"""
 
 
 @needs_bwrap
@@ -323,16 +353,33 @@ def test_the_controllers_environment_is_out_of_reach_up_the_parent_chain(our_box
     chain nor a scan of /proc reaches it."""
     box = our_box
     secret = f"sk-{uuid.uuid4().hex}"
-    (box.work / "attack.py").write_text(PRELUDE + SPIES + f'''
+    (box.work / "attack.py").write_text(
+        PRELUDE
+        + SPIES
+        + f"""
 attempt("the controller's environment", lambda: find("environ", {secret!r}))
 attempt("the controller", lambda: find("cmdline", "autoloop-driver"))
-''' + DONE)
-    spec = {"steps": [[sys.executable, "attack.py"]], "logs": ["run.log"], "env": confine.allowed_env(),
-            "timeout_s": 60, "workdir": str(box.work), "out_dir": str(box.out),
-            "sandbox": {"net": False, "required": True}, "readable": [str(box.base)]}
+"""
+        + DONE
+    )
+    spec = {
+        "steps": [[sys.executable, "attack.py"]],
+        "logs": ["run.log"],
+        "env": confine.allowed_env(),
+        "timeout_s": 60,
+        "workdir": str(box.work),
+        "out_dir": str(box.out),
+        "sandbox": {"net": False, "required": True},
+        "readable": [str(box.base)],
+    }
     env = dict(os.environ, OPENAI_API_KEY=secret, PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(spec), "autoloop-driver"], env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", DRIVER, json.dumps(spec), "autoloop-driver"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     log = (box.out / "run.log").read_text()
     assert proc.returncode == 0, proc.stderr + log
     result = outcome(log)
@@ -348,9 +395,9 @@ def test_our_sysv_shared_memory_is_out_of_sight(box):
     segment = libc.shmget(key, 4096, 0o1000 | 0o666)  # IPC_CREAT, anyone may attach
     assert segment >= 0, os.strerror(ctypes.get_errno())
     try:
-        result = box.attack(f'''
+        result = box.attack(f"""
 attempt("our shared memory", lambda: need(libc.shmget({key}, 0, 0) >= 0))
-''')
+""")
     finally:
         libc.shmctl(segment, 0, None)  # IPC_RMID
     assert result["tried"] == ["our shared memory"] and result["got"] == {}, result
@@ -388,20 +435,36 @@ def host_sockets(user, monkeypatch):
 @needs_bwrap
 def test_host_unix_sockets_are_out_of_reach(box, host_sockets):
     """Old: /tmp and /run were the host's: `tmux -S <socket> run-shell` ran a command outside the sandbox."""
-    result = box.attack(f'''
+    result = box.attack(f"""
 def connect(path):
     s = socket.socket(socket.AF_UNIX)
     s.connect(path)
     s.close()
 for path in {host_sockets!r}:
     attempt(path, lambda: connect(path))
-''')
+""")
     assert result["tried"] == host_sockets and result["got"] == {}, result
     assert all("FileNotFoundError" in why for why in result["errors"].values()), result
 
 
-BASIC_DEV = {"null", "zero", "full", "random", "urandom", "tty", "pts", "ptmx", "shm", "fd", "stdin", "stdout",
-             "stderr", "core", "kfd", "dri"}  # what bwrap's --dev makes, and ROCm's nodes where there are
+BASIC_DEV = {
+    "null",
+    "zero",
+    "full",
+    "random",
+    "urandom",
+    "tty",
+    "pts",
+    "ptmx",
+    "shm",
+    "fd",
+    "stdin",
+    "stdout",
+    "stderr",
+    "core",
+    "kfd",
+    "dri",
+}  # what bwrap's --dev makes, and ROCm's nodes where there are
 
 
 @needs_bwrap
@@ -410,13 +473,13 @@ def test_dev_holds_the_basic_nodes_and_a_shared_memory_of_its_own(box):
     ours = Path(tempfile.mkstemp(prefix="autoloop-sandbox-test-", dir="/dev/shm")[1])
     theirs = f"autoloop-sandbox-test-{uuid.uuid4().hex}"
     try:
-        result = box.attack(f'''
+        result = box.attack(f"""
 extra = sorted(set(os.listdir("/dev")) - set({sorted(BASIC_DEV)!r}))
 attempt("devices", lambda: need(extra))
 attempt("the host's shared memory", lambda: need(os.listdir("/dev/shm")))
 open("/dev/shm/{theirs}", "w").write("x")  # a step's processes still share memory
 print("SHM", os.listdir("/dev/shm"))
-''')
+""")
         assert not (Path("/dev/shm") / theirs).exists()
     finally:
         ours.unlink()
@@ -448,8 +511,12 @@ import helper_mod
 print("READ", open("{cache}/train.bin").read(), helper_mod.VALUE, open("{extra}").read())
 '''
         hidden = [(str(cache / "val.bin"), str(cache / "holdout"))]
-        result, logs = box.run([reads, reads], hidden=hidden, readable=(str(extra),),
-                               env={"AUTOLOOP_CACHE": str(cache), "PYTHONPATH": str(lib)})
+        result, logs = box.run(
+            [reads, reads],
+            hidden=hidden,
+            readable=(str(extra),),
+            env={"AUTOLOOP_CACHE": str(cache), "PYTHONPATH": str(lib)},
+        )
         assert [s.exit_code for s in result.steps] == [0, 0], logs
         train, evaluation = outcome(logs[0]), outcome(logs[1])
         assert len(train["tried"]) == 4 and train["got"] == {}, train
@@ -468,7 +535,8 @@ def test_the_worktrees_git_file_cannot_be_rewritten(box):
     before = (box.work / ".git").read_text()
     (box.out / "input.bin").write_text("given")
     box.own(box.out / "input.bin")
-    result = box.attack(f'''
+    result = box.attack(
+        f'''
 attempt("rewrite .git", lambda: open(".git", "w").write("gitdir: /elsewhere\\n"))
 open("other", "w").write("gitdir: /elsewhere\\n")
 attempt("replace .git", lambda: os.replace("other", ".git"))
@@ -481,7 +549,9 @@ def hook():
     return path
 attempt("plant a hook", hook)
 attempt("change a read-only input", lambda: open("{box.out}/input.bin", "w").write("changed"))
-''', read_only=("{out}/input.bin",))
+''',
+        read_only=("{out}/input.bin",),
+    )
     assert len(result["tried"]) == 5 and result["got"] == {}, result
     assert (box.out / "input.bin").read_text() == "given"
     assert (box.work / ".git").read_text() == before
@@ -496,7 +566,7 @@ def survivors(marker: str) -> list[psutil.Process]:
     return found
 
 
-DAEMON = '''
+DAEMON = """
 import os, sys, time
 if os.fork() == 0:  # a daemon: its own session, its parent gone
     os.setsid()
@@ -508,18 +578,30 @@ deadline = time.time() + 10
 while not os.path.exists({heartbeat!r}) and time.time() < deadline:
     time.sleep(0.05)
 {then}
-'''
+"""
 
 
 def bare_run(box: Box, code: str, timeout: float) -> bool:
     """The step's code in the sandbox as sandboxed() builds it, started and killed (on timeout) like any process,
     without run_command's reaper; True where it timed out."""
     (box.work / "step.py").write_text(code)
-    argv = base.sandboxed([box.python, str(box.work / "step.py")], [str(box.work), str(box.out)], False,
-                          readable=[str(box.base), *confine.readable_paths({})], devices=[])
+    argv = base.sandboxed(
+        [box.python, str(box.work / "step.py")],
+        [str(box.work), str(box.out)],
+        False,
+        readable=[str(box.base), *confine.readable_paths({})],
+        devices=[],
+    )
     try:
-        subprocess.run(argv, cwd=box.work, env=confine.allowed_env(), start_new_session=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=timeout)
+        subprocess.run(
+            argv,
+            cwd=box.work,
+            env=confine.allowed_env(),
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=timeout,
+        )
     except subprocess.TimeoutExpired:  # bwrap is killed (SIGKILL), nothing else
         return True
     return False
@@ -533,8 +615,9 @@ def test_nothing_outlives_the_step(box, then, via):
     too; "bwrap alone" shows the sandbox does it by itself (its PID namespace ends with the step)."""
     marker = f"autoloop-daemon-{uuid.uuid4().hex}"
     heartbeat = box.out / "heartbeat"
-    code = DAEMON.format(heartbeat=str(heartbeat), marker=marker,
-                         then="time.sleep(0.3)" if then == "exits" else "time.sleep(3600)")
+    code = DAEMON.format(
+        heartbeat=str(heartbeat), marker=marker, then="time.sleep(0.3)" if then == "exits" else "time.sleep(3600)"
+    )
     timeout = 3.0 if then == "times out" else 60.0
     try:
         if via == "run_steps":
@@ -557,13 +640,16 @@ def test_nothing_outlives_the_step(box, then, via):
 # Where the machine allows less, and the devices a slot gets
 # ---------------------------------------------------------------------------
 
-FAKE_BWRAP = '#!/bin/sh\nfor a in "$@"; do case "$a" in {refused}) echo "bwrap: no: $a" >&2; exit 1;; esac; done\n' \
-             'exec {bwrap} "$@"\n'
+FAKE_BWRAP = (
+    '#!/bin/sh\nfor a in "$@"; do case "$a" in {refused}) echo "bwrap: no: $a" >&2; exit 1;; esac; done\n'
+    'exec {bwrap} "$@"\n'
+)
 
 
 @needs_bwrap
-@pytest.mark.parametrize("refused, expected", [("--disable-userns", ("--unshare-user",)), ("--unshare-user", ()),
-                                               ("--cap-drop", None)])
+@pytest.mark.parametrize(
+    "refused, expected", [("--disable-userns", ("--unshare-user",)), ("--unshare-user", ()), ("--cap-drop", None)]
+)
 def test_the_probe_falls_back_without_a_user_namespace(our_box, monkeypatch, tmp_path, refused, expected):
     """A bubblewrap (or kernel) that cannot make a user namespace: the step keeps our uid, still without any
     capability and in its own namespaces; one that cannot even drop capabilities is no sandbox (the problem)."""
@@ -581,12 +667,12 @@ def test_the_probe_falls_back_without_a_user_namespace(our_box, monkeypatch, tmp
     assert refused in confine.sandbox_note()
     argv = confine.sandboxed(["true"], [], False)
     assert argv[0] == str(fake) and refused not in argv and "ALL" in argv
-    result = box.attack('''
+    result = box.attack("""
 line = next(l for l in open("/proc/self/status") if l.startswith("CapEff"))
 attempt("capabilities", lambda: need(int(line.split()[1], 16)))
 attempt("remount /", lambda: check(libc.mount(b"none", b"/", None, 32, None)))
 attempt("our processes", lambda: need([p for p in os.listdir("/proc") if p.isdigit() and int(p) > 10]))
-''')
+""")
     assert len(result["tried"]) == 3 and result["got"] == {}, result
 
 
@@ -609,7 +695,7 @@ def test_a_slot_gets_the_device_nodes_of_its_gpus(monkeypatch):
 # The same attacks in a train.py the loop runs
 # ---------------------------------------------------------------------------
 
-LOOP_ATTACK = string.Template('''
+LOOP_ATTACK = string.Template("""
 MS_REMOUNT = 32
 attempt("remount /", lambda: check(libc.mount(b"none", b"/", None, MS_REMOUNT, None)))
 attempt("plant a hook", lambda: open($hook, "w").write("#!/bin/sh\\ntouch pwned\\n"))
@@ -630,7 +716,7 @@ if os.fork() == 0:
     os._exit(0)
 time.sleep(0.3)
 print("ESCAPED" if got else "HELD", json.dumps(got), flush=True)
-''')
+""")
 
 
 def outside_the_masks(fallback: Path) -> Path:
@@ -646,16 +732,21 @@ def outside_the_masks(fallback: Path) -> Path:
 def test_a_train_py_that_attacks_from_the_loop_gets_nowhere(tmp_path, monkeypatch):
     """The loop as it runs (sandbox on): one edit tries every attack above and then reports honestly; its row is
     honest or a crash, its log says it managed nothing, and nothing outside its run changed."""
-    from orchestrator.store.ledger import read_rows
     from orchestrator.loop import Settings, run_loop
+    from orchestrator.store.ledger import read_rows
     from orchestrator.store.session import Paths
 
     secret, marker = f"sk-{uuid.uuid4().hex}", f"autoloop-daemon-{uuid.uuid4().hex}"
     monkeypatch.setenv("OPENAI_API_KEY", secret)
     project = outside_the_masks(tmp_path)  # like a real checkout: in the sandbox, read-only but there
     repo = project / "repo"
-    make_repo(repo, {"train.py": fakes.ok(1.0), "prepare.py": "import os\nTIME_BUDGET = float(os.environ.get("
-                     "'AUTOLOOP_TIME_BUDGET', '300'))\n"})
+    make_repo(
+        repo,
+        {
+            "train.py": fakes.ok(1.0),
+            "prepare.py": "import os\nTIME_BUDGET = float(os.environ.get('AUTOLOOP_TIME_BUDGET', '300'))\n",
+        },
+    )
     hooks = sorted(p.name for p in (repo / ".git" / "hooks").iterdir())
     server = socket.create_server(("127.0.0.1", 0))
     host_dir = tmp_dir()
@@ -672,14 +763,30 @@ def test_a_train_py_that_attacks_from_the_loop_gets_nowhere(tmp_path, monkeypatc
 
     threading.Thread(target=serve, daemon=True).start()
     witness = subprocess.Popen(["sleep", "600"], env={"PATH": os.environ["PATH"], "OPENAI_API_KEY": secret})
-    values = {"hook": str(repo / ".git" / "hooks" / "post-checkout"), "port": server.getsockname()[1],
-              "secret": secret, "sock": str(host_dir / "s.sock"), "marker": marker}
+    values = {
+        "hook": str(repo / ".git" / "hooks" / "post-checkout"),
+        "port": server.getsockname()[1],
+        "secret": secret,
+        "sock": str(host_dir / "s.sock"),
+        "marker": marker,
+    }
     attack = PRELUDE + SPIES + LOOP_ATTACK.substitute({k: repr(v) for k, v in values.items()}) + DONE
     plan = fakes.write_plan(tmp_path / "plan.json", [{"description": "attacks", "train": attack + fakes.ok(0.9)}])
     monkeypatch.setenv("AUTOLOOP_TEST_PLAN", str(plan))
     try:
-        run_loop(Settings(repo=repo, tag="a", budget=1.0, timeout=60.0, proposer="fakes:Scripted",
-                          baseline_repeats=0, max_experiments=2, sandbox="on"), echo=lambda _: None)
+        run_loop(
+            Settings(
+                repo=repo,
+                tag="a",
+                budget=1.0,
+                timeout=60.0,
+                proposer="fakes:Scripted",
+                baseline_repeats=0,
+                max_experiments=2,
+                sandbox="on",
+            ),
+            echo=lambda _: None,
+        )
         rows = read_rows(Paths(repo, "a").ledger)
         log = (Paths(repo, "a").run_dir(2) / "run.log").read_text()
         assert [r.description.split(" [")[0] for r in rows] == ["baseline", "attacks"], rows

@@ -11,22 +11,58 @@ import sys
 import time
 from pathlib import Path
 
+import fakes
 import psutil
 import pytest
-
-import fakes
 from conftest import ROOT, make_repo, subprocess_env
+
 from orchestrator.store.ledger import read_rows
 from orchestrator.store.session import Paths
 
 EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 
+STARTED: list[subprocess.Popen] = []  # the controllers a test started (ended after it: no_leftovers)
+
+
 def start(repo: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "orchestrator.cli", "run", "--repo", str(repo), "--tag", "s", "--timeout", "120",
-           "--baseline-repeats", "0", *args]
-    return subprocess.Popen(cmd, env=env or subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "orchestrator.cli",
+        "run",
+        "--repo",
+        str(repo),
+        "--tag",
+        "s",
+        "--timeout",
+        "120",
+        "--baseline-repeats",
+        "0",
+        *args,
+    ]
+    proc = subprocess.Popen(
+        cmd, env=env or subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    STARTED.append(proc)
+    return proc
+
+
+@pytest.fixture(autouse=True)
+def no_leftovers():
+    """A test that fails before its controller exits leaves no controller and no 60 s train.py behind."""
+    yield
+    while STARTED:
+        proc = STARTED.pop()
+        if proc.poll() is None:
+            procs = tree([proc.pid])
+            for p in procs:
+                try:
+                    p.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            psutil.wait_procs(procs, timeout=10)
+        proc.communicate()
 
 
 def status(repo: Path) -> dict:
@@ -69,18 +105,27 @@ def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
     return out
 
 
+def gone(procs: list[psutil.Process], within: float = 5.0) -> bool:
+    """Every process of the run ended within a few seconds of its controller (polled: at once when they did;
+    one that survived its controller is still here after `within`)."""
+    deadline = time.monotonic() + within
+    while alive(procs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive(procs) == []
+
+
 def stop_and_check(proc: subprocess.Popen, sig: int, procs: list[psutil.Process], expect: str = "") -> str:
     assert procs and not proc.poll()
     proc.send_signal(sig)
     out, _ = proc.communicate(timeout=90)
     assert proc.returncode == EXIT.get(sig, 1), out
     assert "Traceback" not in out, out
-    time.sleep(3)  # a process that survived its controller would still be here
-    assert alive(procs) == [], (out, alive(procs))
+    assert gone(procs), (out, alive(procs))
     assert expect in out, out
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_during_training_stops_the_real_train_py(tiny_env, tmp_path, sig):
@@ -89,15 +134,40 @@ def test_a_signal_during_training_stops_the_real_train_py(tiny_env, tmp_path, si
     make_repo(repo, {name: (ROOT / name).read_text() for name in ("train.py", "prepare.py", ".gitignore")})
     env = subprocess_env(**{k: tiny_env[k] for k in ("AUTOLOOP_CACHE", "AUTOLOOP_PROFILE", "AUTOLOOP_DEVICE")})
     proc = start(repo, "--budget", "60", "--max-experiments", "1", env=env)
-    wait_for(lambda: status(repo).get("train_pids") and (Paths(repo, "s").run_dir(1) / "run.log").exists()
-             and "step" in (Paths(repo, "s").run_dir(1) / "run.log").read_text(), proc=proc)
+    wait_for(
+        lambda: (
+            status(repo).get("train_pids")
+            and (Paths(repo, "s").run_dir(1) / "run.log").exists()
+            and "step" in (Paths(repo, "s").run_dir(1) / "run.log").read_text()
+        ),
+        proc=proc,
+    )
     time.sleep(3)  # well into training: the controller sits in its wait for the run (where the orphan was made)
     procs = tree([pid for pid, _ in status(repo)["train_pids"].values()])
     stop_and_check(proc, sig, procs, "interrupted; experiment 1 was not recorded")
     assert status(repo)["phase"] == "stopped" and not status(repo)["train_pids"]
-    again = subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", "--repo", str(repo), "--tag", "s",
-                            "--budget", "2", "--baseline-repeats", "0", "--max-experiments", "1"],
-                           env=env, capture_output=True, text=True, timeout=180)
+    again = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "orchestrator.cli",
+            "run",
+            "--repo",
+            str(repo),
+            "--tag",
+            "s",
+            "--budget",
+            "2",
+            "--baseline-repeats",
+            "0",
+            "--max-experiments",
+            "1",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert again.returncode == 0, again.stdout + again.stderr
     assert [(r.description, r.status) for r in read_rows(repo / "results.tsv")] == [("baseline", "keep")]
 
@@ -110,10 +180,12 @@ def test_a_signal_stops_every_slot_then_the_session_resumes(fake_repo, tmp_path,
     slow = [{"description": f"slow {i}", "train": fakes.ok(0.9 + i / 100, sleep=60.0)} for i in range(workers)]
     plan = fakes.write_plan(tmp_path / "plan.json", slow)
     env = subprocess_env(AUTOLOOP_TEST_PLAN=str(plan))
-    proc = start(repo, "--budget", "1", "--proposer", "fakes:Scripted", "--workers", str(workers), "--gpus", "",
-                 env=env)
-    wait_for(lambda: len(status(repo).get("train_pids") or {}) == workers and status(repo).get("generation") == 2,
-             proc=proc)
+    proc = start(
+        repo, "--budget", "1", "--proposer", "fakes:Scripted", "--workers", str(workers), "--gpus", "", env=env
+    )
+    wait_for(
+        lambda: len(status(repo).get("train_pids") or {}) == workers and status(repo).get("generation") == 2, proc=proc
+    )
     procs = tree([pid for pid, _ in status(repo)["train_pids"].values()])
     lost = "the runs of the current generation were" if workers > 1 else "experiment 2 was"
     stop_and_check(proc, sig, procs, f"interrupted; {lost} not recorded")
@@ -121,12 +193,25 @@ def test_a_signal_stops_every_slot_then_the_session_resumes(fake_repo, tmp_path,
     done = len(read_rows(repo / "results.tsv"))
     assert done == workers  # the baseline generation only: the stopped runs left no row
     fakes.write_plan(plan, [{"description": f"fast {i}", "train": fakes.ok(0.95)} for i in range(workers)])
-    again = start(repo, "--budget", "1", "--proposer", "fakes:Scripted", "--workers", str(workers), "--gpus", "",
-                  "--max-experiments", str(2 * workers), env=env)
+    again = start(
+        repo,
+        "--budget",
+        "1",
+        "--proposer",
+        "fakes:Scripted",
+        "--workers",
+        str(workers),
+        "--gpus",
+        "",
+        "--max-experiments",
+        str(2 * workers),
+        env=env,
+    )
     out, _ = again.communicate(timeout=120)
     assert again.returncode == 0, out
-    assert [r.description.split(" [")[0].split(" (")[0] for r in read_rows(repo / "results.tsv")][done:] == \
-        [f"fast {i}" for i in range(workers)]
+    assert [r.description.split(" [")[0].split(" (")[0] for r in read_rows(repo / "results.tsv")][done:] == [
+        f"fast {i}" for i in range(workers)
+    ]
 
 
 @pytest.mark.timeout(180)
@@ -134,27 +219,52 @@ def test_a_loop_error_in_the_middle_of_a_two_slot_generation(fake_repo, tmp_path
     """Slot 2's run breaks the pinned harness (and the git index it would be restored with) and crashes while
     slot 1 trains: the harness cannot be restored, which stops the loop (LoopError) -- and slot 1's run with it."""
     repo = fake_repo(fakes.ok(1.0))
-    breaker = ('from pathlib import Path\nPath("../../worktree/prepare.py").write_text("TIME_BUDGET = 1\\n")\n'
-               'gitdir = Path("../../worktree/.git").read_text().split(":", 1)[1].strip()\n'
-               'Path(gitdir, "index.lock").write_text("")\n'
-               'raise SystemExit("broke the harness")\n')
-    plan = fakes.write_plan(tmp_path / "plan.json", [
-        {"description": "slow", "train": fakes.ok(0.9, sleep=60.0)}, {"description": "breaks", "train": breaker}])
-    proc = start(repo, "--budget", "30", "--proposer", "fakes:Scripted", "--workers", "2", "--gpus", "",
-                 env=subprocess_env(AUTOLOOP_TEST_PLAN=str(plan)))
+    breaker = (
+        'from pathlib import Path\nPath("../../worktree/prepare.py").write_text("TIME_BUDGET = 1\\n")\n'
+        'gitdir = Path("../../worktree/.git").read_text().split(":", 1)[1].strip()\n'
+        'Path(gitdir, "index.lock").write_text("")\n'
+        'raise SystemExit("broke the harness")\n'
+    )
+    plan = fakes.write_plan(
+        tmp_path / "plan.json",
+        [{"description": "slow", "train": fakes.ok(0.9, sleep=60.0)}, {"description": "breaks", "train": breaker}],
+    )
+    proc = start(
+        repo,
+        "--budget",
+        "30",
+        "--proposer",
+        "fakes:Scripted",
+        "--workers",
+        "2",
+        "--gpus",
+        "",
+        env=subprocess_env(AUTOLOOP_TEST_PLAN=str(plan)),
+    )
     wait_for(lambda: status(repo).get("generation") == 2 and status(repo).get("train_pids"), proc=proc)
     procs = tree([pid for pid, _ in status(repo)["train_pids"].values()])
     out, _ = proc.communicate(timeout=90)
     assert proc.returncode == 1 and "the pinned harness and it could not be restored" in out, out
     assert "Traceback" not in out, out
-    time.sleep(3)
-    assert alive(procs) == [], out
+    assert gone(procs), (out, alive(procs))
     assert status(repo)["phase"] == "stopped" and not status(repo)["train_pids"]
     (repo / ".git" / "worktrees" / "worktree" / "index.lock").unlink()
     subprocess.run(["git", "checkout", "prepare.py"], cwd=Paths(repo, "s").worktree, check=True)
     fakes.write_plan(plan, [{"description": "fast", "train": fakes.ok(0.95)}])
-    again = start(repo, "--budget", "30", "--proposer", "fakes:Scripted", "--workers", "2", "--gpus", "",
-                  "--max-experiments", "4", env=subprocess_env(AUTOLOOP_TEST_PLAN=str(plan)))
+    again = start(
+        repo,
+        "--budget",
+        "30",
+        "--proposer",
+        "fakes:Scripted",
+        "--workers",
+        "2",
+        "--gpus",
+        "",
+        "--max-experiments",
+        "4",
+        env=subprocess_env(AUTOLOOP_TEST_PLAN=str(plan)),
+    )
     out, _ = again.communicate(timeout=120)
     assert again.returncode == 0, out
 
@@ -172,8 +282,17 @@ def test_a_signal_while_a_pipelined_agent_makes_an_idea(fake_repo, tmp_path, sig
     agent, pidfile = tmp_path / "slow_agent.py", tmp_path / "agent.pids"
     agent.write_text(SLOW_AGENT)
     env = subprocess_env(AUTOLOOP_TEST_AGENT_PIDFILE=str(pidfile))
-    proc = start(repo, "--budget", "1", "--proposer", "agent", "--agent-cmd",
-                 f"{sys.executable} {agent} {{prompt_file}}", "--pipeline", env=env)
+    proc = start(
+        repo,
+        "--budget",
+        "1",
+        "--proposer",
+        "agent",
+        "--agent-cmd",
+        f"{sys.executable} {agent} {{prompt_file}}",
+        "--pipeline",
+        env=env,
+    )
     # the baseline is recorded while the agent, started during its training, still works on the next idea
     wait_for(lambda: pidfile.exists() and pidfile.read_text().strip() and read_rows(repo / "results.tsv"), proc=proc)
     procs = tree([int(line) for line in pidfile.read_text().split()])
@@ -182,12 +301,24 @@ def test_a_signal_while_a_pipelined_agent_makes_an_idea(fake_repo, tmp_path, sig
     rows = read_rows(repo / "results.tsv")
     assert [r.description for r in rows] == ["baseline"]
     fast = tmp_path / "fast_agent.py"  # resume with an agent that answers
-    fast.write_text("import re, sys\nfrom pathlib import Path\np = Path('train.py')\n"
-                    "p.write_text(p.read_text().replace('BPB = 1.0', 'BPB = 0.9'))\n"
-                    "Path(re.search(r'to this\\s+file: (\\S+)', Path(sys.argv[1]).read_text()).group(1))"
-                    ".write_text('lower BPB')\n")
-    again = start(repo, "--budget", "1", "--proposer", "agent", "--agent-cmd", f"{sys.executable} {fast} {{prompt_file}}",
-                  "--max-experiments", "2", env=env)
+    fast.write_text(
+        "import re, sys\nfrom pathlib import Path\np = Path('train.py')\n"
+        "p.write_text(p.read_text().replace('BPB = 1.0', 'BPB = 0.9'))\n"
+        "Path(re.search(r'to this\\s+file: (\\S+)', Path(sys.argv[1]).read_text()).group(1))"
+        ".write_text('lower BPB')\n"
+    )
+    again = start(
+        repo,
+        "--budget",
+        "1",
+        "--proposer",
+        "agent",
+        "--agent-cmd",
+        f"{sys.executable} {fast} {{prompt_file}}",
+        "--max-experiments",
+        "2",
+        env=env,
+    )
     out, _ = again.communicate(timeout=120)
     assert again.returncode == 0, out
     assert [r.description.split(" (")[0] for r in read_rows(repo / "results.tsv")] == ["baseline", "lower BPB"]

@@ -28,7 +28,7 @@ def test_no_block_and_non_finite_values():
 
 
 def test_last_error_line_prefers_the_exception():
-    log = "step 1\nTraceback (most recent call last):\n  File \"train.py\", line 3\nRuntimeError: CUDA out of memory\n"
+    log = 'step 1\nTraceback (most recent call last):\n  File "train.py", line 3\nRuntimeError: CUDA out of memory\n'
     assert last_error_line(log) == "RuntimeError: CUDA out of memory"
     assert last_error_line("just output\nlast words\n") == "last words"
     assert last_error_line("") == ""

@@ -45,6 +45,7 @@ def model(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_the_model_ranks_held_out_configurations():
     space, enc, configs, values = synthetic(60)
     f = fidelity(configs, values, enc)
@@ -57,14 +58,21 @@ def test_the_model_ranks_held_out_configurations():
 
 
 def run_fake(workdir: Path, seed: int) -> str:
-    proc = subprocess.run([sys.executable, "train.py"], cwd=workdir, capture_output=True, text=True,
-                          env={"PATH": "/usr/bin:/bin", "AUTOLOOP_SEED": str(seed)}, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "train.py"],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin", "AUTOLOOP_SEED": str(seed)},
+        timeout=60,
+    )
     if proc.returncode:
         assert "surrogate: this configuration crashed" in proc.stderr, proc.stderr
         return "crash"
     return next(line.split()[1] for line in proc.stdout.splitlines() if line.startswith("val_bpb:"))
 
 
+@pytest.mark.slow
 def test_the_fake_train_py_is_deterministic_for_a_seed_and_crashes_as_often_as_predicted(model, tmp_path):
     def session(name: str, seed: int, runs: int, path: Path = model, noise_scale: float = 1.0) -> list[str]:
         d = tmp_path / name
@@ -91,6 +99,7 @@ def test_the_fake_train_py_is_deterministic_for_a_seed_and_crashes_as_often_as_p
     assert 4 <= outcomes.count("crash") <= 22, outcomes.count("crash")
 
 
+@pytest.mark.slow
 def test_the_benchmark_drives_the_real_proposers_through_the_real_loop(model, tmp_path):
     from search_quality import NOOP, surrogate_session
 
@@ -147,6 +156,12 @@ def test_a_memory_limit_makes_configurations_too_big_for_it_run_out_of_memory(mo
     assert run_fake(d, 0) != "crash"  # the default fits
     (d / "train.py").write_text(apply_changes(fake, "tiny", bigger))
     for seed in (0, 1):  # every run of it, whatever the seed
-        proc = subprocess.run([sys.executable, "train.py"], cwd=d, capture_output=True, text=True,
-                              env={"PATH": "/usr/bin:/bin", "AUTOLOOP_SEED": str(seed)}, timeout=60)
+        proc = subprocess.run(
+            [sys.executable, "train.py"],
+            cwd=d,
+            capture_output=True,
+            text=True,
+            env={"PATH": "/usr/bin:/bin", "AUTOLOOP_SEED": str(seed)},
+            timeout=60,
+        )
         assert proc.returncode and "surrogate: out of memory" in proc.stderr, proc.stderr

@@ -19,11 +19,11 @@ import time
 import urllib.request
 from pathlib import Path
 
+import fakes
 import git
 import pytest
 from click.testing import CliRunner
 
-import fakes
 from orchestrator import LoopError
 from orchestrator.cli import main
 from orchestrator.core.settings import Settings
@@ -36,21 +36,40 @@ from orchestrator.trackers.mlflow import MLflow
 
 def train(bpb: float, lr: float = 0.04) -> str:
     """A fake train.py with two constants and five progress lines whose loss is 4/step."""
-    return (f'"""fake train.py"""\n# Hyperparameters\nBPB = {bpb!r}  # [0.1, 10.0]\nLR = {lr!r}  # [0.001, 1.0]\n\n'
-            'for step in range(1, 6):\n'
-            '    print(f"step {step:05d} ({20 * step:.1f}%) | loss: {4 / step:.6f} | dt: 10ms | tok/sec: 1,000")\n'
-            + fakes.SUMMARY)
+    return (
+        f'"""fake train.py"""\n# Hyperparameters\nBPB = {bpb!r}  # [0.1, 10.0]\nLR = {lr!r}  # [0.001, 1.0]\n\n'
+        "for step in range(1, 6):\n"
+        '    print(f"step {step:05d} ({20 * step:.1f}%) | loss: {4 / step:.6f} | dt: 10ms | tok/sec: 1,000")\n'
+        + fakes.SUMMARY
+    )
 
 
-PLAN = [{"description": "LR up", "train": train(0.8, lr=0.08)},
-        {"description": "worse", "train": train(0.9, lr=0.08)},
-        {"description": "crashes", "train": fakes.crash()},
-        {"description": "best", "train": train(0.7, lr=0.1)}]
+PLAN = [
+    {"description": "LR up", "train": train(0.8, lr=0.08)},
+    {"description": "worse", "train": train(0.9, lr=0.08)},
+    {"description": "crashes", "train": fakes.crash()},
+    {"description": "best", "train": train(0.7, lr=0.1)},
+]
 
 
 def run(repo: Path, experiments: int, *tracker: str):
-    args = ["run", "--repo", str(repo), "--tag", "t1", "--budget", "1", "--timeout", "20", "--proposer",
-            "fakes:Scripted", "--baseline-repeats", "0", "--max-experiments", str(experiments)]
+    args = [
+        "run",
+        "--repo",
+        str(repo),
+        "--tag",
+        "t1",
+        "--budget",
+        "1",
+        "--timeout",
+        "20",
+        "--proposer",
+        "fakes:Scripted",
+        "--baseline-repeats",
+        "0",
+        "--max-experiments",
+        str(experiments),
+    ]
     for name in tracker:
         args += ["--tracker", name]
     return CliRunner().invoke(main, args, catch_exceptions=False)
@@ -61,8 +80,16 @@ def tracker_env(monkeypatch):
     """No telemetry, no login, and the mlflow settings the tracker sets in-process put back afterwards."""
     monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
     monkeypatch.setenv("DO_NOT_TRACK", "true")
-    for key in [*MLflow.ENV, "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "WANDB_PROJECT", "WANDB_API_KEY",
-                "WANDB_DISABLE_WEAVE", "WANDB_SILENT", "TENSORBOARD_LOGDIR"]:
+    for key in [
+        *MLflow.ENV,
+        "MLFLOW_TRACKING_URI",
+        "MLFLOW_EXPERIMENT_NAME",
+        "WANDB_PROJECT",
+        "WANDB_API_KEY",
+        "WANDB_DISABLE_WEAVE",
+        "WANDB_SILENT",
+        "TENSORBOARD_LOGDIR",
+    ]:
         monkeypatch.setenv(key, "")  # remembers the value to restore ...
         monkeypatch.delenv(key)  # ... and leaves it unset for the test
 
@@ -84,10 +111,28 @@ def mlflow_server(tmp_path_factory):
     port = free_port()
     with open(root / "server.log", "wb") as log:
         server = subprocess.Popen(
-            [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-             "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
-             "--workers", "1"], cwd=root, stdout=log, stderr=subprocess.STDOUT,
-            env=dict(os.environ, MLFLOW_DISABLE_TELEMETRY="true"), start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "mlflow",
+                "server",
+                "--backend-store-uri",
+                f"sqlite:///{root / 'mlflow.db'}",
+                "--artifacts-destination",
+                str(root / "artifacts"),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--workers",
+                "1",
+            ],
+            cwd=root,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ, MLFLOW_DISABLE_TELEMETRY="true"),
+            start_new_session=True,
+        )
     yield server, f"http://127.0.0.1:{port}", root / "server.log"
     os.killpg(server.pid, signal.SIGKILL)  # a test server: no graceful shutdown to wait for
     server.wait(timeout=30)
@@ -164,10 +209,10 @@ def wandb_records(path: str):
         if block - pos % block < 7:  # a block's tail too short for a header is padding
             pos += block - pos % block
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if kind == 0:
             break
-        chunk, pos = chunk + data[pos + 7:pos + 7 + length], pos + 7 + length
+        chunk, pos = chunk + data[pos + 7 : pos + 7 + length], pos + 7 + length
         if kind in (1, 4):  # FULL or LAST
             record = pb.Record()
             record.ParseFromString(chunk)
@@ -199,6 +244,7 @@ def test_wandb_offline_and_mlflow_default_store_together(fake_repo, plan, monkey
     pytest.importorskip("wandb")
     mlflow = pytest.importorskip("mlflow")
     import openai  # noqa: F401 - as with --proposer llm: wandb then suggests Weave on the console, unless told not to
+
     for key in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_CONFIG_DIR"):
         monkeypatch.setenv(key, str(tmp_path / "wb" / key.lower()))
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -224,8 +270,12 @@ def test_wandb_offline_and_mlflow_default_store_together(fake_repo, plan, monkey
     assert by_id[f"{session_id}-4"]["exit"] == 1 and by_id[f"{session_id}-4"]["summary"]["status"] == "crash"
     session = by_id[session_id]
     assert session["run"].job_type == "session" and session["config"]["budget"] == 1.0
-    assert [(h["_step"], h["best_val_bpb"]) for h in session["history"] if "best_val_bpb" in h] == \
-        [(1, 1.0), (2, 0.8), (3, 0.8), (4, 0.8)]
+    assert [(h["_step"], h["best_val_bpb"]) for h in session["history"] if "best_val_bpb" in h] == [
+        (1, 1.0),
+        (2, 0.8),
+        (3, 0.8),
+        (4, 0.8),
+    ]
     assert session["summary"]["stop"] == "reached --max-experiments 4" and session["summary"]["keep"] == 2
     files = session["dir"] / "files"
     assert (files / "report.md").exists() and list(files.glob("media/images/progress_*.png"))
@@ -246,13 +296,16 @@ def test_wandb_offline_and_mlflow_default_store_together(fake_repo, plan, monkey
 
 def test_loss_curve_reads_train_py_progress_lines(tmp_path):
     log = tmp_path / "run.log"
-    log.write_text("schedule: 40 steps\nstep 00001 (2.5%) | loss: 10.834000 | dt: 90ms | tok/sec: 5,000 | mfu: 1.0%\n"
-                   "step 00002 (5.0%) | loss: nan | dt: 90ms\nnote: step 3 loss: 1\nstep 00003 (7.5%) | loss: 9.5\n")
+    log.write_text(
+        "schedule: 40 steps\nstep 00001 (2.5%) | loss: 10.834000 | dt: 90ms | tok/sec: 5,000 | mfu: 1.0%\n"
+        "step 00002 (5.0%) | loss: nan | dt: 90ms\nnote: step 3 loss: 1\nstep 00003 (7.5%) | loss: 9.5\n"
+    )
     assert loss_curve(log) == [(1, 10.834), (3, 9.5)] and loss_curve(tmp_path / "missing.log") == []
 
 
-def test_mlflow_session_is_a_parent_run_with_a_child_run_per_experiment_and_resumes(fake_repo, plan, monkeypatch,
-                                                                                    mlflow_url, tmp_path):
+def test_mlflow_session_is_a_parent_run_with_a_child_run_per_experiment_and_resumes(
+    fake_repo, plan, monkeypatch, mlflow_url, tmp_path
+):
     from mlflow import MlflowClient
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_url)
@@ -311,8 +364,13 @@ def test_mlflow_session_is_a_parent_run_with_a_child_run_per_experiment_and_resu
 
     # a morning's terminal without MLFLOW_TRACKING_URI, then the server again: each store holds the session
     # once (the local one catches up on all of it, the server on what it missed); nothing is logged twice
-    plan(PLAN + [{"description": "six", "train": train(0.75, lr=0.12)},
-                 {"description": "seven", "train": train(0.72, lr=0.11)}])
+    plan(
+        PLAN
+        + [
+            {"description": "six", "train": train(0.75, lr=0.12)},
+            {"description": "seven", "train": train(0.72, lr=0.11)},
+        ]
+    )
     monkeypatch.delenv("MLFLOW_TRACKING_URI")
     local = run(repo, 6, "mlflow")
     assert local.exit_code == 0 and "warning" not in local.output, local.output
@@ -325,15 +383,27 @@ def test_mlflow_session_is_a_parent_run_with_a_child_run_per_experiment_and_resu
     assert back.exit_code == 0 and "warning" not in back.output, back.output
     assert saved(repo, "mlflow", mlflow_url)["parent"] == parent
     assert sorted(children_of(client, experiment.experiment_id, parent)) == [1, 2, 3, 4, 5, 6, 7]
-    assert [r.info.run_id for r in client.search_runs([experiment.experiment_id], "tags.mlflow.runName = 't1'")] \
-        == [parent]
+    assert [r.info.run_id for r in client.search_runs([experiment.experiment_id], "tags.mlflow.runName = 't1'")] == [
+        parent
+    ]
 
 
 def session(repo: Path, experiments: int, *trackers: str) -> list[str]:
     """`run` in-process (any registered tracker name, or module:Class); the console's lines."""
     lines: list[str] = []
-    run_loop(Settings(repo=repo, tag="t1", budget=1.0, timeout=20.0, proposer="fakes:Scripted", baseline_repeats=0,
-                      max_experiments=experiments, trackers=trackers), echo=lines.append)
+    run_loop(
+        Settings(
+            repo=repo,
+            tag="t1",
+            budget=1.0,
+            timeout=20.0,
+            proposer="fakes:Scripted",
+            baseline_repeats=0,
+            max_experiments=experiments,
+            trackers=trackers,
+        ),
+        echo=lines.append,
+    )
     return lines
 
 
@@ -377,8 +447,11 @@ def test_tensorboard_session_is_a_run_with_a_step_per_experiment_and_resumes(fak
     assert [m.name.tag for m in experiment.metric_infos] == ["best_val_bpb"]
     assert {h.name for h in experiment.hparam_infos} >= {"budget", "seed", "gate", "tag", "start_commit"}
     started = metadata.parse_session_start_info_plugin_data(hparams[metadata.SESSION_START_INFO_TAG]).hparams
-    assert (started["budget"].number_value, started["seed"].number_value, started["tag"].string_value) == \
-        (1.0, 42.0, "t1")
+    assert (started["budget"].number_value, started["seed"].number_value, started["tag"].string_value) == (
+        1.0,
+        42.0,
+        "t1",
+    )
     ended = metadata.parse_session_end_info_plugin_data(hparams[metadata.SESSION_END_INFO_TAG])
     assert ended.status == api_pb2.STATUS_SUCCESS
     assert git.Repo(repo).git.status("--porcelain", "--ignored=no") == ""  # the repo's root stays clean
@@ -423,8 +496,11 @@ class Recorder(Backend):
 
 
 def test_trackers_are_plugins_and_a_missing_library_warns_with_the_pip_command(fake_repo, plan, monkeypatch):
-    with pytest.raises(LoopError, match=r"unknown tracker 'nope'; available: mlflow, tensorboard, wandb .*"
-                                        r"autoloop\.trackers"):
+    with pytest.raises(
+        LoopError,
+        match=r"unknown tracker 'nope'; available: mlflow, tensorboard, wandb .*"
+        r"autoloop\.trackers",
+    ):
         Trackers(("nope",), None, print)
     with pytest.raises(LoopError, match="not a subclass of orchestrator.trackers.base.Backend"):
         Trackers(("fakes:Scripted",), None, print)
@@ -435,9 +511,15 @@ def test_trackers_are_plugins_and_a_missing_library_warns_with_the_pip_command(f
     plan(PLAN)
     lines = session(repo, 2, f"{__name__}:Recorder", "tensorboard")
     warnings = [line for line in lines if "warning" in line]
-    assert warnings == ["autoloop: warning: --tracker tensorboard is off for this run (starting: the tensorboard "
-                        'package is not installed (torch.utils.tensorboard needs it)); pip install '
-                        '"autoloop-ml[tensorboard]"'], lines
-    assert Recorder.calls == [("open", f"{__name__}:Recorder"), ("log", 1, 1.0), ("log", 2, 0.8),
-                              ("close", "reached --max-experiments 2", ["progress.png", "report.md"])]
+    assert warnings == [
+        "autoloop: warning: --tracker tensorboard is off for this run (starting: the tensorboard "
+        "package is not installed (torch.utils.tensorboard needs it)); pip install "
+        '"autoloop-ml[tensorboard]"'
+    ], lines
+    assert Recorder.calls == [
+        ("open", f"{__name__}:Recorder"),
+        ("log", 1, 1.0),
+        ("log", 2, 0.8),
+        ("close", "reached --max-experiments 2", ["progress.png", "report.md"]),
+    ]
     assert len(read_rows(repo / "results.tsv")) == 2

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import math
 
-import pytest
-
 import fakes
+import pytest
 from conftest import ROOT, make_repo
-from orchestrator.trust.guard import new_violations, violations
-from orchestrator.store.ledger import read_record, read_rows
+
 from orchestrator.loop import Settings, run_loop
+from orchestrator.store.ledger import read_record, read_rows
 from orchestrator.store.session import Paths
+from orchestrator.trust.guard import new_violations, violations
 
 TRAIN = (ROOT / "train.py").read_text()
 IMPORTS = "from prepare import MAX_SEQ_LEN, PROFILE, SEED, TIME_BUDGET, Tokenizer, evaluate_bpb, make_dataloader\n"
@@ -30,23 +30,44 @@ def after_imports(code: str) -> str:
 STATIC = [  # caught before any training time is spent
     ("own seed", edited("torch.manual_seed(SEED)", "torch.manual_seed(1234)"), "seeds on its own"),
     ("longer budget", after_imports("TIME_BUDGET = 600"), "redefines TIME_BUDGET"),
-    ("patched metric", after_imports("import prepare\nprepare.evaluate_bpb = lambda m, t, b: 0.1"),
-     "patches prepare.evaluate_bpb"),
-    ("own metric", after_imports("def evaluate_bpb(model, tokenizer, batch_size):\n    return 0.1"),
-     "redefines evaluate_bpb"),
+    (
+        "patched metric",
+        after_imports("import prepare\nprepare.evaluate_bpb = lambda m, t, b: 0.1"),
+        "patches prepare.evaluate_bpb",
+    ),
+    (
+        "own metric",
+        after_imports("def evaluate_bpb(model, tokenizer, batch_size):\n    return 0.1"),
+        "redefines evaluate_bpb",
+    ),
     ("smaller eval", after_imports("import prepare\nprepare.EVAL_TOKENS = 64"), "patches prepare.EVAL_TOKENS"),
-    ("trains on val", edited('MAX_SEQ_LEN, "train", device=device)', 'MAX_SEQ_LEN, "val", device=device)'),
-     "refers to the validation data ('val')"),
-    ("reads the seed env", edited("torch.manual_seed(SEED)", 'torch.manual_seed(int(os.environ["AUTOLOOP_SEED"]))'),
-     "AUTOLOOP_SEED"),
+    (
+        "trains on val",
+        edited('MAX_SEQ_LEN, "train", device=device)', 'MAX_SEQ_LEN, "val", device=device)'),
+        "refers to the validation data ('val')",
+    ),
+    (
+        "reads the seed env",
+        edited("torch.manual_seed(SEED)", 'torch.manual_seed(int(os.environ["AUTOLOOP_SEED"]))'),
+        "AUTOLOOP_SEED",
+    ),
 ]
 RUNTIME = [  # caught by the harness's own evaluation and the clock audit
-    ("prints a fake number", edited('print(f"val_bpb:          {val_bpb:.6f}")',
-                                    'print(f"val_bpb:          {0.5:.6f}")'), "the harness measured"),
-    ("skips evaluate_bpb", edited("val_bpb = evaluate_bpb(model, tokenizer, FINAL_EVAL_BATCH_SIZE)", "val_bpb = 0.5"),
-     "did not call prepare.evaluate_bpb"),
-    ("sneaky smaller eval", after_imports('import sys as _s\nsetattr(_s.modules["prepare"], "EVAL_" + "TOKENS", 64)'),
-     None),  # the evaluation runs in a process that never imports train.py: an honest row
+    (
+        "prints a fake number",
+        edited('print(f"val_bpb:          {val_bpb:.6f}")', 'print(f"val_bpb:          {0.5:.6f}")'),
+        "the harness measured",
+    ),
+    (
+        "skips evaluate_bpb",
+        edited("val_bpb = evaluate_bpb(model, tokenizer, FINAL_EVAL_BATCH_SIZE)", "val_bpb = 0.5"),
+        "did not call prepare.evaluate_bpb",
+    ),
+    (
+        "sneaky smaller eval",
+        after_imports('import sys as _s\nsetattr(_s.modules["prepare"], "EVAL_" + "TOKENS", 64)'),
+        None,
+    ),  # the evaluation runs in a process that never imports train.py: an honest row
     ("slow clock", edited("training_time += dt", "training_time += dt * 0.02"), "budget exceeded"),
 ]
 
@@ -61,8 +82,10 @@ def test_static_checks_flag_only_what_the_edit_introduced():
     assert new_violations(edited("MATRIX_LR = 0.04", "MATRIX_LR = 0.05"), TRAIN) == []
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_tampering_edits_are_crashes_and_honest_edits_pass(tiny_env, tmp_path, monkeypatch):
+def test_tampering_edits_are_crashes_and_honest_edits_pass(tiny_env, tmp_path, monkeypatch, clock_slack):
+    """(The slowed clock trains ~25 s at a 0.5 s budget: refused with the test-only clock slack too.)"""
     for key in ("AUTOLOOP_CACHE", "AUTOLOOP_PROFILE", "AUTOLOOP_DEVICE"):
         monkeypatch.setenv(key, tiny_env[key])
     repo = tmp_path / "proj"
@@ -73,8 +96,18 @@ def test_tampering_edits_are_crashes_and_honest_edits_pass(tiny_env, tmp_path, m
     plan = [{"description": name, "train": src} for name, src, _ in steps]
     plan.append({"description": "honest", "train": honest})
     monkeypatch.setenv("AUTOLOOP_TEST_PLAN", str(fakes.write_plan(tmp_path / "plan.json", plan)))
-    run_loop(Settings(repo=repo, tag="trust", budget=0.5, proposer="fakes:Scripted", baseline_repeats=0,
-                      startup_allowance=15.0, max_crashes=len(steps) + 1), echo=lambda line: None)
+    run_loop(
+        Settings(
+            repo=repo,
+            tag="trust",
+            budget=0.5,
+            proposer="fakes:Scripted",
+            baseline_repeats=0,
+            startup_allowance=15.0,
+            max_crashes=len(steps) + 1,
+        ),
+        echo=lambda line: None,
+    )
     rows = read_rows(repo / "results.tsv")
     assert rows[0].status == "keep" and rows[0].description == "baseline"
     for row, (name, _, expected) in zip(rows[1:], steps):
@@ -93,23 +126,36 @@ def test_tampering_edits_are_crashes_and_honest_edits_pass(tiny_env, tmp_path, m
     assert not (Paths(repo, "trust").run_dir(len(rows) - 1) / "model.pt").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_held_out_check_at_the_end_of_a_session(tiny_env, tmp_path, monkeypatch):
+def test_held_out_check_at_the_end_of_a_session(tiny_env, tmp_path, monkeypatch, clock_slack):
+    """Each entry is its own run's saved model scored on the held-out split (train.py's code, LOGIT_CAP included,
+    is in the exported graph): the baseline's near-uniform predictions score about what they score on validation,
+    the best's clearly less."""
     for key in ("AUTOLOOP_CACHE", "AUTOLOOP_PROFILE", "AUTOLOOP_DEVICE"):
         monkeypatch.setenv(key, tiny_env[key])
     repo = tmp_path / "proj"
     hobbled = TRAIN.replace("LOGIT_CAP = 15.0", "LOGIT_CAP = 0.01")  # ~uniform predictions, whatever it learns
-    make_repo(repo, {"prepare.py": (ROOT / "prepare.py").read_text(), "train.py": hobbled,
-                     ".gitignore": (ROOT / ".gitignore").read_text()})
+    make_repo(
+        repo,
+        {
+            "prepare.py": (ROOT / "prepare.py").read_text(),
+            "train.py": hobbled,
+            ".gitignore": (ROOT / ".gitignore").read_text(),
+        },
+    )
     plan = [{"description": "restore the logit cap", "train": TRAIN}]
     monkeypatch.setenv("AUTOLOOP_TEST_PLAN", str(fakes.write_plan(tmp_path / "plan.json", plan)))
     lines = []
-    state = run_loop(Settings(repo=repo, tag="h", budget=5.0, proposer="fakes:Scripted", baseline_repeats=0),
-                     echo=lines.append)
+    state = run_loop(
+        Settings(repo=repo, tag="h", budget=5.0, proposer="fakes:Scripted", baseline_repeats=0), echo=lines.append
+    )
     assert state.best_run == 2, read_rows(repo / "results.tsv")
     holdout = __import__("json").loads((Paths(repo, "h").state / "holdout.json").read_text())
     assert holdout["baseline"]["n"] == 1 and holdout["best"]["n"] == 2
-    assert holdout["best"]["holdout_bpb"] < holdout["baseline"]["holdout_bpb"]
+    assert holdout["best"]["holdout_bpb"] < 0.98 * holdout["baseline"]["holdout_bpb"]  # learned vs ~uniform
+    rows = read_rows(repo / "results.tsv")
+    assert [holdout[name]["commit"][:7] for name in ("baseline", "best")] == [rows[0].commit, rows[1].commit]
     assert any(line.startswith("autoloop: held-out check: baseline") for line in lines)
     # `autoloop report` makes the check when a session has none (e.g. it ended with Ctrl-C): the same numbers
     (Paths(repo, "h").state / "holdout.json").unlink()
@@ -117,8 +163,14 @@ def test_held_out_check_at_the_end_of_a_session(tiny_env, tmp_path, monkeypatch)
     import sys
 
     from conftest import subprocess_env
-    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "report", "--repo", str(repo), "--json"],
-                          capture_output=True, text=True, env=subprocess_env(), timeout=300)
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "report", "--repo", str(repo), "--json"],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=300,
+    )
     assert proc.returncode == 0 and "held-out check: baseline" in proc.stderr, proc.stderr
     again = __import__("json").loads(proc.stdout)["holdout"]
     for name in ("best", "baseline"):  # the same number, up to the order of float sums (MKL threads under load)

@@ -10,20 +10,26 @@ import subprocess
 import sys
 from pathlib import Path
 
+import fakes
 import git
 import pytest
-
-import fakes
 from conftest import ROOT, make_repo, subprocess_env
-from orchestrator.store.ledger import read_rows
-from orchestrator.store.session import Paths
 from test_agent_presets import fake_bin
 from test_gpu_check import env_with, fake_nvidia_smi
 
+from orchestrator.store.ledger import read_rows
+from orchestrator.store.session import Paths
+
 
 def autoloop(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 300):
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True,
-                          cwd=cwd, env=env or subprocess_env(), timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env or subprocess_env(),
+        timeout=timeout,
+    )
 
 
 def lines_of(check: str, out: str) -> str:
@@ -32,7 +38,9 @@ def lines_of(check: str, out: str) -> str:
     assert found, out
     lines = out.splitlines()
     i = found[0]
-    return "\n".join(lines[i:i + 2] if i + 1 < len(lines) and lines[i + 1].lstrip().startswith("fix:") else lines[i:i + 1])
+    return "\n".join(
+        lines[i : i + 2] if i + 1 < len(lines) and lines[i + 1].lstrip().startswith("fix:") else lines[i : i + 1]
+    )
 
 
 # --- init ---------------------------------------------------------------------------------------------------
@@ -50,7 +58,8 @@ def test_init_makes_a_committed_workspace_with_the_package_files(tmp_path):
     repo = git.Repo(ws)
     assert repo.active_branch.name == "main" and not repo.is_dirty(untracked_files=True)
     assert sorted(b.path for b in repo.head.commit.tree.traverse()) == sorted(
-        [".gitignore", "prepare.py", "program.md", "pyproject.toml", "train.py"])
+        [".gitignore", "prepare.py", "program.md", "pyproject.toml", "train.py"]
+    )
     # the [tool.autoloop] table it writes is one `autoloop run` accepts (every line a comment to start from)
     assert autoloop("doctor", "--max-experiments", "3", cwd=ws).returncode == 0
 
@@ -61,8 +70,15 @@ def test_init_makes_a_committed_workspace_with_the_package_files(tmp_path):
 
 def test_init_existing_adds_only_what_is_missing(tmp_path):
     up = tmp_path / "autoresearch"
-    repo = make_repo(up, {"train.py": "print('upstream')\n", "prepare.py": "# upstream's own harness\n",
-                          "pyproject.toml": '[project]\nname = "autoresearch"\n', ".gitignore": ".venv"})
+    repo = make_repo(
+        up,
+        {
+            "train.py": "print('upstream')\n",
+            "prepare.py": "# upstream's own harness\n",
+            "pyproject.toml": '[project]\nname = "autoresearch"\n',
+            ".gitignore": ".venv",
+        },
+    )
     (up / "train.py").write_text("print('upstream, being edited')\n")  # the user's work in progress
     (up / "notes.txt").write_text("mine\n")
     before = repo.head.commit.hexsha
@@ -93,17 +109,25 @@ def test_init_existing_adds_only_what_is_missing(tmp_path):
     assert proc.returncode == 1 and f"init --existing {up}" in proc.stderr
 
 
-@pytest.mark.parametrize("case, message", [
-    ("invalid toml", "is not valid TOML"),
-    ("dirty pyproject", "uncommitted changes to pyproject.toml"),
-    ("untracked train.py", "train.py is not committed"),
-    ("table with a comment", None),
-    ("dotted table", None),
-])
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("invalid toml", "is not valid TOML"),
+        ("dirty pyproject", "uncommitted changes to pyproject.toml"),
+        ("untracked train.py", "train.py is not committed"),
+        ("table with a comment", None),
+        ("dotted table", None),
+    ],
+)
 def test_init_existing_refuses_or_respects_what_it_finds(tmp_path, case, message):
-    files = {"train.py": "print(1)\n", "pyproject.toml": {
-        "invalid toml": "[project\nname = 1\n", "table with a comment": "[tool.autoloop]  # mine\nbudget = 60\n",
-        "dotted table": "[tool]\nautoloop = { budget = 60 }\n"}.get(case, '[project]\nname = "x"\n')}
+    files = {
+        "train.py": "print(1)\n",
+        "pyproject.toml": {
+            "invalid toml": "[project\nname = 1\n",
+            "table with a comment": "[tool.autoloop]  # mine\nbudget = 60\n",
+            "dotted table": "[tool]\nautoloop = { budget = 60 }\n",
+        }.get(case, '[project]\nname = "x"\n'),
+    }
     if case == "untracked train.py":
         files.pop("train.py")
     repo = make_repo(tmp_path / "r", files)
@@ -168,11 +192,14 @@ def test_doctor_gpu_torch_cannot_use(repo, tmp_path):
         assert proc.returncode == 0 and "the CPU is chosen" in lines_of("gpu / torch", proc.stdout), proc.stdout
 
 
-@pytest.mark.parametrize("args, expect", [
-    (["--proposer", "nope"], "unknown proposer 'nope'"),
-    (["--proposer", "llm"], "needs a model"),
-    (["--proposer", "llm", "--llm-model", "m", "--llm-base-url", "https://api.example.com/v1"], "no API key"),
-])
+@pytest.mark.parametrize(
+    "args, expect",
+    [
+        (["--proposer", "nope"], "unknown proposer 'nope'"),
+        (["--proposer", "llm"], "needs a model"),
+        (["--proposer", "llm", "--llm-model", "m", "--llm-base-url", "https://api.example.com/v1"], "no API key"),
+    ],
+)
 def test_doctor_fails_on_a_proposer_the_loop_would_refuse(repo, args, expect):
     env = subprocess_env()
     env.pop("OPENAI_API_KEY", None)
@@ -233,17 +260,18 @@ def test_doctor_and_run_with_a_missing_or_silent_agent_cli(repo, tmp_path):
     proc = autoloop("doctor", "--repo", str(repo), "--proposer", "agent", "--agent", "codex", env=broken)
     line = lines_of("agent", proc.stdout)
     assert proc.returncode == 1 and "--version failed" in line and "not logged in" in line
-    run = autoloop("run", "--repo", str(repo), "--tag", "a", "--proposer", "agent", "--agent", "codex",
-                   "--budget", "1", env=broken)
+    run = autoloop(
+        "run", "--repo", str(repo), "--tag", "a", "--proposer", "agent", "--agent", "codex", "--budget", "1", env=broken
+    )
     assert run.returncode == 1 and "--version failed" in run.stderr and "autoloop doctor" in run.stderr
     assert not Paths(repo, "a").ledger.exists() or not read_rows(Paths(repo, "a").ledger)
 
 
 def test_doctor_and_run_refuse_a_night_the_disk_cannot_hold(repo):
-    proc = autoloop("doctor", "--repo", str(repo), "--max-experiments", str(10 ** 9))
+    proc = autoloop("doctor", "--repo", str(repo), "--max-experiments", str(10**9))
     line = lines_of("disk", proc.stdout)
     assert proc.returncode == 1 and line.startswith("FAIL") and "1000000000 experiments need" in line
-    run = autoloop("run", "--repo", str(repo), "--tag", "d", "--budget", "1", "--max-experiments", str(10 ** 9))
+    run = autoloop("run", "--repo", str(repo), "--tag", "d", "--budget", "1", "--max-experiments", str(10**9))
     assert run.returncode == 1 and "GiB free" in run.stderr and "Traceback" not in run.stderr
     assert not Paths(repo, "d").ledger.exists() or not read_rows(Paths(repo, "d").ledger)
 
@@ -275,6 +303,7 @@ def test_doctor_warns_of_a_tracker_that_would_be_switched_off(repo, tmp_path):
     assert f"cannot reach http://127.0.0.1:{port}" in line and "wandb: not logged in" in line
     assert "WANDB_MODE=offline" in line
     env.pop("MLFLOW_TRACKING_URI")
-    proc = autoloop("doctor", "--repo", str(repo), "--tracker", "mlflow", "--tracker", "wandb",
-                    env={**env, "WANDB_MODE": "offline"})
+    proc = autoloop(
+        "doctor", "--repo", str(repo), "--tracker", "mlflow", "--tracker", "wandb", env={**env, "WANDB_MODE": "offline"}
+    )
     assert lines_of("trackers", proc.stdout).startswith("ok"), proc.stdout

@@ -17,9 +17,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 if __name__ == "__main__":  # the reaper, started without site (`python -I -S`: half the start-up time):
     sys.path.append(sys.argv.pop(1))  # psutil from where the controller found it (after the standard library)
@@ -65,8 +65,11 @@ class CappedLog:
     def flush(self) -> None:
         if self.tail is not None:
             self.f.seek(self.head)
-            self.f.write(f"\n[autoloop: {self.cut} bytes of this log cut here; it keeps its first and last "
-                         f"{self.head >> 20} MiB]\n".encode() + bytes(self.tail))
+            self.f.write(
+                f"\n[autoloop: {self.cut} bytes of this log cut here; it keeps its first and last "
+                f"{self.head >> 20} MiB]\n".encode()
+                + bytes(self.tail)
+            )
             self.f.truncate()
         self.f.flush()
         self.flushed = time.monotonic()
@@ -148,8 +151,11 @@ def _reap(proc: subprocess.Popen) -> None:
     try:
         proc.wait(timeout=REAP_S)
     except subprocess.TimeoutExpired:
-        print(f"autoloop: warning: process {proc.pid} did not exit {REAP_S:.0f}s after SIGKILL (stuck in the "
-              "kernel, e.g. on a GPU driver); not waiting for it", flush=True)
+        print(
+            f"autoloop: warning: process {proc.pid} did not exit {REAP_S:.0f}s after SIGKILL (stuck in the "
+            "kernel, e.g. on a GPU driver); not waiting for it",
+            flush=True,
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -229,8 +235,9 @@ def reap(argv: list[str]) -> None:
     if os.getppid() != parent:  # the controller died before PDEATHSIG was armed
         os._exit(1)
     try:  # the command gets our stdin (a nonce), output and environment; default signal mask and SIGPIPE
-        pid = os.posix_spawnp(cmd[0], cmd, os.environ, setsigmask=(),
-                              setsigdef=(signal.SIGPIPE, signal.SIGXFSZ, *STOP_SIGNALS))
+        pid = os.posix_spawnp(
+            cmd[0], cmd, os.environ, setsigmask=(), setsigdef=(signal.SIGPIPE, signal.SIGXFSZ, *STOP_SIGNALS)
+        )
     except OSError as e:
         print(f"autoloop: cannot run {cmd[0]}: {e}", file=sys.stderr, flush=True)
         os._exit(127)
@@ -247,10 +254,19 @@ def reap(argv: list[str]) -> None:
     _exit_as(statuses.get(pid))
 
 
-def run_command(cmd: list[str], cwd: Path, env: dict[str, str], log_path: Path, timeout_s: float,
-                on_start: Callable[[int], None] | None = None, on_tick: Callable[[float], None] | None = None,
-                tick_s: float = 1.0, cancel: threading.Event | None = None,
-                log_cap: int = LOG_CAP_BYTES, stdin_text: str | None = None) -> RunResult:
+def run_command(
+    cmd: list[str],
+    cwd: Path,
+    env: dict[str, str],
+    log_path: Path,
+    timeout_s: float,
+    on_start: Callable[[int], None] | None = None,
+    on_tick: Callable[[float], None] | None = None,
+    tick_s: float = 1.0,
+    cancel: threading.Event | None = None,
+    log_cap: int = LOG_CAP_BYTES,
+    stdin_text: str | None = None,
+) -> RunResult:
     """Run cmd with stdout+stderr to log_path (capped: CappedLog) in a new session, under the reaper; never
     raises for the command's failures. The pid on_start gets is the reaper's (its tree is the run's).
 
@@ -261,16 +277,23 @@ def run_command(cmd: list[str], cwd: Path, env: dict[str, str], log_path: Path, 
     start = time.monotonic()
     read_end, write_end = os.pipe()
     try:
-        proc = subprocess.Popen(under_reaper(cmd), cwd=cwd, env=env, stdout=write_end, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL if stdin_text is None else subprocess.PIPE,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            under_reaper(cmd),
+            cwd=cwd,
+            env=env,
+            stdout=write_end,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL if stdin_text is None else subprocess.PIPE,
+            start_new_session=True,
+        )
     except BaseException:
         os.close(read_end)
         raise
     finally:
         os.close(write_end)
-    pump = threading.Thread(target=_pump, args=(read_end, CappedLog(log_path, log_cap)), daemon=True,
-                            name=f"log {log_path.name}")
+    pump = threading.Thread(
+        target=_pump, args=(read_end, CappedLog(log_path, log_cap)), daemon=True, name=f"log {log_path.name}"
+    )
     pump.start()
     pgid = proc.pid  # start_new_session makes the child a session and group leader
     if stdin_text is not None:  # a line or two (a nonce): fits the pipe, so this never blocks
@@ -312,8 +335,9 @@ def run_command(cmd: list[str], cwd: Path, env: dict[str, str], log_path: Path, 
             kill_tree(proc.pid, pgid, grace_s=0.5)  # leftovers of a finished run
         pump.join(REAP_S)  # the tree is gone: the pipe is at its end (a process stuck in the kernel aside)
     code = reaped.get(proc.pid, proc.returncode) if (timed_out or interrupted) else proc.returncode
-    return RunResult(exit_code=code, timed_out=timed_out, wall_s=time.monotonic() - start,
-                     log_path=log_path, interrupted=interrupted)
+    return RunResult(
+        exit_code=code, timed_out=timed_out, wall_s=time.monotonic() - start, log_path=log_path, interrupted=interrupted
+    )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hmac
 import json
 import math
+import os
 from pathlib import Path
 
 from .summary import read_run_file
@@ -77,17 +78,38 @@ STARTUP_SLACK = 0.35  # share of the baseline's start-up a run may take beyond i
 STARTUP_SLACK_CAP = 0.25  # ... but never more than this share of the budget: at small budgets the start-up is
 #                           long next to the budget, and a slack in proportion to it hid a run training 1.67x
 MIN_SLACK_S = 1.5  # seconds of start-up jitter always allowed (process start, imports on a loaded machine)
+TEST_SLACK_ENV = "AUTOLOOP_TEST_CLOCK_SLACK_S"  # TEST-ONLY: see slack_for_tests()
+
+
+def slack_for_tests() -> float:
+    """Seconds the test suite adds to the clock audit's slack; 0 unless AUTOLOOP_TEST_CLOCK_SLACK_S is set.
+
+    TEST-ONLY. The suite runs the real train.py at budgets of 0.5-5 s on a loaded 2-core machine, where an edit's
+    start-up (torch imports, the export) takes 1-3 s longer than its baseline's did: more than MIN_SLACK_S, so
+    honest runs read "budget exceeded". A test sets this only where its attacks overrun their budget by far more
+    (tests/conftest.py: CLOCK_SLACK_S). Never set it for a real session: it widens what an over-training edit
+    gets through by exactly this much."""
+    try:
+        return max(0.0, float(os.environ.get(TEST_SLACK_ENV, "0") or 0))
+    except ValueError:
+        return 0.0
 
 
 def clock_limit(budget: float, learned: float) -> float:
     """The longest train.py step that kept to the budget, given the start-up its session's baseline needed: the
     baseline's start-up, the budget plus 5%, and a bounded slack for a slower start-up."""
     slack = max(MIN_SLACK_S, min(STARTUP_SLACK * learned, STARTUP_SLACK_CAP * budget))
-    return learned + budget * (1 + CLOCK_SLACK) + slack
+    return learned + budget * (1 + CLOCK_SLACK) + slack + slack_for_tests()
 
 
-def audit_clock(metrics: dict, budget: float, seconds_to_artifact: float | None, startup_s: float = 60.0,
-                wall_s: float | None = None, learned: float | None = None) -> str:
+def audit_clock(
+    metrics: dict,
+    budget: float,
+    seconds_to_artifact: float | None,
+    startup_s: float = 60.0,
+    wall_s: float | None = None,
+    learned: float | None = None,
+) -> str:
     """'' if the run kept to its budget, else why not. The controller's clock decides, not train.py's report:
     once the session's baseline has run, the train step's wall time less the start-up the baseline needed
     (`learned`: its wall time beyond the budget) must stay within the budget plus 5% and a small margin
@@ -99,13 +121,18 @@ def audit_clock(metrics: dict, budget: float, seconds_to_artifact: float | None,
         return f"budget exceeded: training_seconds {reported:g} > budget {budget:g}"
     if learned is not None and wall_s is not None:
         if wall_s > clock_limit(budget, learned):
-            return (f"budget exceeded: train.py ran {wall_s:.1f}s; less the {learned:.1f}s of start-up the baseline "
-                    f"needed, that is {wall_s - learned:.1f}s of training for a budget of {budget:g}s")
+            extra = f" (with the test-only {TEST_SLACK_ENV}={slack_for_tests():g})" if slack_for_tests() else ""
+            return (
+                f"budget exceeded: train.py ran {wall_s:.1f}s; less the {learned:.1f}s of start-up the baseline "
+                f"needed, that is {wall_s - learned:.1f}s of training for a budget of {budget:g}s{extra}"
+            )
         seconds_to_artifact = None  # judged by the learned start-up instead
     allowance = budget + max(startup_s, 0.5 * budget)
     if seconds_to_artifact is not None and seconds_to_artifact > allowance:
-        return (f"budget exceeded: the model was ready {seconds_to_artifact:.0f}s after start, "
-                f"more than budget {budget:g}s + start-up allowance {allowance - budget:.0f}s")
+        return (
+            f"budget exceeded: the model was ready {seconds_to_artifact:.0f}s after start, "
+            f"more than budget {budget:g}s + start-up allowance {allowance - budget:.0f}s"
+        )
     steps = metrics.get("num_steps")
     if steps is not None and (not isinstance(steps, int) or steps < 1):
         return f"implausible num_steps {steps!r}"
@@ -125,5 +152,7 @@ def holdout_text(result: dict) -> str:
     if result.get("error"):
         return f"not available: {result['error']}"
     b, w = result["baseline"], result["best"]
-    return (f"baseline {b['holdout_bpb']:.6f} -> best {w['holdout_bpb']:.6f} "
-            f"({w['holdout_bpb'] - b['holdout_bpb']:+.6f}; on validation {w['val_bpb'] - b['val_bpb']:+.6f})")
+    return (
+        f"baseline {b['holdout_bpb']:.6f} -> best {w['holdout_bpb']:.6f} "
+        f"({w['holdout_bpb'] - b['holdout_bpb']:+.6f}; on validation {w['val_bpb'] - b['val_bpb']:+.6f})"
+    )
