@@ -51,12 +51,13 @@ def fake_then_real(bpb: float) -> str:
     return 'print("---")\nprint("val_bpb: 0.100000")\nprint("step 2")\n' + f"BPB = {bpb!r}\n" + SUMMARY
 
 
-def grandchild(pidfile: Path, then: str = "hang") -> str:
-    """Spawns a grandchild that ignores SIGTERM, leaves the process group (its own session, as a server or a
-    DataLoader worker that calls setsid) and writes its pid; then hangs or exits normally."""
+def grandchild(pidfile: Path, then: str = "hang", ignore_term: bool = True) -> str:
+    """Spawns a grandchild that ignores SIGTERM (or not), leaves the process group (its own session, as a server
+    or a DataLoader worker that calls setsid) and writes its pid; then hangs or exits normally."""
     tail = "time.sleep(3600)" if then == "hang" else "BPB = 1.5\n" + SUMMARY
+    ignore = "signal.signal(signal.SIGTERM, signal.SIG_IGN); " if ignore_term else ""
     return f"""import subprocess, sys, time
-code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(3600)"
+code = "import signal, time; {ignore}time.sleep(3600)"
 p = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
 open({str(pidfile)!r}, "w").write(str(p.pid))
 time.sleep(0.3)

@@ -101,35 +101,39 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.parametrize("reaper", [True, False], ids=["reaper", "no-reaper"])
 def test_hang_and_grandchildren_are_killed(fake_repo, plan, tmp_path, monkeypatch, reaper):
-    """The grandchildren ignore SIGTERM and left the process group: under the reaper (Linux) it ends them; without
-    it (every other system) kill_tree must find them by parentage. A grandchild whose parent exited is beyond
-    parentage: only the reaper ends it, so that step runs with the reaper alone (and in test_leftovers)."""
+    """The grandchildren left the process group. Under the reaper (Linux) they are ended even when they ignore
+    SIGTERM (SIGKILL after the grace) and when their parent exited. Without it (every other system) kill_tree
+    alone must find them, by parentage: a grandchild whose parent exited is beyond that (test_leftovers)."""
     from orchestrator.executors import runner
 
     monkeypatch.setattr(runner, "REAPER", reaper)
     repo_path = fake_repo(fakes.ok(1.0))
     pid_a, pid_b = tmp_path / "a.pid", tmp_path / "b.pid"
-    steps = [
-        {"description": "hangs", "train": fakes.hang()},
-        {"description": "grandchild then hang", "train": fakes.grandchild(pid_a, then="hang")},
-        {"description": "grandchild then exit", "train": fakes.grandchild(pid_b, then="exit")},
-    ]
-    steps = steps if reaper else steps[:2]
+    if reaper:
+        steps = [
+            {"description": "hangs", "train": fakes.hang()},
+            {"description": "grandchild then hang", "train": fakes.grandchild(pid_a, then="hang")},
+            {"description": "grandchild then exit", "train": fakes.grandchild(pid_b, then="exit")},
+        ]
+        expected, pidfiles = ["keep", "crash", "crash", "discard"], (pid_a, pid_b)
+    else:
+        steps = [{"description": "grandchild then hang", "train": fakes.grandchild(pid_a, "hang", ignore_term=False)}]
+        expected, pidfiles = ["keep", "crash"], (pid_a,)
     plan(steps)
     t0 = time.monotonic()
     try:
         run_loop(settings(repo_path, timeout=3.0), echo=quiet)
         rows = read_rows(repo_path / "results.tsv")
-        assert [r.status for r in rows] == ["keep", "crash", "crash", "discard"][: len(steps) + 1]
-        assert "timeout after 3s" in rows[1].description and "timeout" in rows[2].description
-        assert not reaper or rows[3].val_bpb == 1.5
-        for pidfile in (pid_a, pid_b)[: len(steps) - 1]:
+        assert [r.status for r in rows] == expected
+        assert all("timeout after 3s" in r.description for r in rows if r.status == "crash")
+        assert rows[-1].val_bpb == 1.5 if reaper else True
+        for pidfile in pidfiles:
             pid = int(pidfile.read_text())
             deadline = time.monotonic() + 5
             while _alive(pid) and time.monotonic() < deadline:
                 time.sleep(0.1)
             assert not _alive(pid), f"grandchild {pid} survived"
-    finally:  # a failure leaves no grandchild behind (they sleep an hour and ignore SIGTERM)
+    finally:  # a failure leaves no grandchild behind (they sleep an hour)
         for pidfile in (pid_a, pid_b):
             if pidfile.exists() and _alive(int(pidfile.read_text())):
                 psutil.Process(int(pidfile.read_text())).kill()

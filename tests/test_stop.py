@@ -14,7 +14,7 @@ from pathlib import Path
 import fakes
 import psutil
 import pytest
-from conftest import ROOT, make_repo, subprocess_env
+from conftest import ROOT, CliResult, cli, make_repo, subprocess_env
 
 from orchestrator.store.ledger import read_rows
 from orchestrator.store.session import Paths
@@ -46,6 +46,12 @@ def start(repo: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
     )
     STARTED.append(proc)
     return proc
+
+
+def resume(repo: Path, *args: str, env: dict | None = None) -> CliResult:
+    """The same command once the controller is gone: in this process (it is not signalled)."""
+    base = ["run", "--repo", str(repo), "--tag", "s", "--timeout", "120", "--baseline-repeats", "0"]
+    return cli(*base, *args, env=env or subprocess_env())
 
 
 @pytest.fixture(autouse=True)
@@ -193,7 +199,7 @@ def test_a_signal_stops_every_slot_then_the_session_resumes(fake_repo, tmp_path,
     done = len(read_rows(repo / "results.tsv"))
     assert done == workers  # the baseline generation only: the stopped runs left no row
     fakes.write_plan(plan, [{"description": f"fast {i}", "train": fakes.ok(0.95)} for i in range(workers)])
-    again = start(
+    again = resume(
         repo,
         "--budget",
         "1",
@@ -207,8 +213,7 @@ def test_a_signal_stops_every_slot_then_the_session_resumes(fake_repo, tmp_path,
         str(2 * workers),
         env=env,
     )
-    out, _ = again.communicate(timeout=120)
-    assert again.returncode == 0, out
+    assert again.returncode == 0, again.stdout + again.stderr
     assert [r.description.split(" [")[0].split(" (")[0] for r in read_rows(repo / "results.tsv")][done:] == [
         f"fast {i}" for i in range(workers)
     ]
@@ -251,7 +256,7 @@ def test_a_loop_error_in_the_middle_of_a_two_slot_generation(fake_repo, tmp_path
     (repo / ".git" / "worktrees" / "worktree" / "index.lock").unlink()
     subprocess.run(["git", "checkout", "prepare.py"], cwd=Paths(repo, "s").worktree, check=True)
     fakes.write_plan(plan, [{"description": "fast", "train": fakes.ok(0.95)}])
-    again = start(
+    again = resume(
         repo,
         "--budget",
         "30",
@@ -265,8 +270,7 @@ def test_a_loop_error_in_the_middle_of_a_two_slot_generation(fake_repo, tmp_path
         "4",
         env=subprocess_env(AUTOLOOP_TEST_PLAN=str(plan)),
     )
-    out, _ = again.communicate(timeout=120)
-    assert again.returncode == 0, out
+    assert again.returncode == 0, again.stdout + again.stderr
 
 
 SLOW_AGENT = """import os, sys, time
@@ -307,7 +311,7 @@ def test_a_signal_while_a_pipelined_agent_makes_an_idea(fake_repo, tmp_path, sig
         "Path(re.search(r'to this\\s+file: (\\S+)', Path(sys.argv[1]).read_text()).group(1))"
         ".write_text('lower BPB')\n"
     )
-    again = start(
+    again = resume(
         repo,
         "--budget",
         "1",
@@ -319,6 +323,5 @@ def test_a_signal_while_a_pipelined_agent_makes_an_idea(fake_repo, tmp_path, sig
         "2",
         env=env,
     )
-    out, _ = again.communicate(timeout=120)
-    assert again.returncode == 0, out
+    assert again.returncode == 0, again.stdout + again.stderr
     assert [r.description.split(" (")[0] for r in read_rows(repo / "results.tsv")] == ["baseline", "lower BPB"]

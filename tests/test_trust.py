@@ -68,7 +68,8 @@ RUNTIME = [  # caught by the harness's own evaluation and the clock audit
         after_imports('import sys as _s\nsetattr(_s.modules["prepare"], "EVAL_" + "TOKENS", 64)'),
         None,
     ),  # the evaluation runs in a process that never imports train.py: an honest row
-    ("slow clock", edited("training_time += dt", "training_time += dt * 0.02"), "budget exceeded"),
+    # the step times are slowed too, as the schedule in steps is projected from them: 0.5 s reads as ~25 s
+    ("slow clock", edited("dt = time.time() - t0\n", "dt = (time.time() - t0) * 0.02\n"), "budget exceeded"),
 ]
 
 
