@@ -1262,14 +1262,13 @@ def _probe(forward, seen, picks, generator, atol=EVAL_PROBE_ATOL):
         cut = torch.randint(0, T - 1, (rows,), generator=generator).to(x.device)
         future = torch.arange(T, device=x.device)[None, :] > cut[:, None]
         probe = torch.where(future, x[donor].flip(1) if rows == 1 else x[donor], x[order])
-        again, before = _log_probs(forward(probe)), _log_probs(logits)
-        for r in range(rows):
-            c = int(cut[r]) + 1
-            diff = (again[r, :c] - before[order[r], :c]).abs().amax().item()
-            if not diff <= atol:
-                return (f"the model's predictions at a position changed by {diff:.3g} nats when later tokens or other "
-                        f"rows of the batch changed, or when it ran again: it must be causal, score each row on "
-                        f"its own and keep no state")
+        row, pos = (~future).nonzero(as_tuple=True)  # each row up to its cut: what must not have changed
+        again = _log_probs(forward(probe)[row, pos])
+        diff = (again - _log_probs(logits[order[row], pos])).abs().amax().item()
+        if not diff <= atol:
+            return (f"the model's predictions at a position changed by {diff:.3g} nats when later tokens or other "
+                    f"rows of the batch changed, or when it ran again: it must be causal, score each row on "
+                    f"its own and keep no state")
     return ""
 
 
