@@ -93,8 +93,7 @@ def main() -> None:
             finished = {
                 r.group
                 for r in records
-                if r.description.startswith("no-op")
-                and (r.status == "crash" or r.gate.get("decision") in ("keep", "discard"))
+                if r.description.startswith("no-op") and (r.status == "crash" or r.gate.decision in ("keep", "discard"))
             }
             if len(finished) >= args.experiments or state.done >= 4 * total:
                 break

@@ -87,7 +87,7 @@ def surrogate_session(job: tuple) -> dict:
     for r in records:
         before = true.get(state.best_group) if state.best_group else None
         if (
-            r.gate.get("decision")
+            r.gate.decision
             and group_of(r) == r.n
             and state.best_group
             and r.status != Status.CRASH

@@ -495,9 +495,9 @@ def test_a_run_slowed_by_a_competing_process_is_run_again_not_counted(fake_repo,
     records = [read_record(Paths(repo, "d").run_dir(n)) for n in range(1, 5)]
     steps = [r.metrics["num_steps"] for r in records]
     assert steps[2] < 0.7 * min(steps[0], steps[1]), steps  # the competing processes did slow it
-    assert "disturbed: steps per second" in records[2].gate.get("disturbed", ""), records[2].gate
+    assert "disturbed: steps per second" in records[2].gate.disturbed, records[2].gate
     assert "disturbed" in rows(repo, "d")[2].description and "running again" in rows(repo, "d")[2].description
-    assert records[3].description.startswith("baseline (repeat") and not records[3].gate.get("disturbed")
+    assert records[3].description.startswith("baseline (repeat") and not records[3].gate.disturbed
     from orchestrator.core.state import load_state
 
     state = load_state(Paths(repo, "d"))

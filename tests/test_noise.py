@@ -14,7 +14,7 @@ from conftest import subprocess_env
 
 from orchestrator.core.noise import Gate, Spread, judge, parent_first, reference_spread, significant_lines
 from orchestrator.loop import Settings, run_loop
-from orchestrator.store.ledger import read_record, read_rows
+from orchestrator.store.ledger import Evidence, read_record, read_rows
 from orchestrator.store.session import Paths
 
 BASE = [1.000, 1.010, 0.990]  # sd 0.01
@@ -188,9 +188,14 @@ def test_noise_gate_end_to_end(gate_repo):
     assert "B (1 run, margin " in rows[6].description
     assert "C (simplification, 1 run, margin " in rows[7].description
     records = [read_record(Paths(gate_repo, "g").run_dir(n)) for n in range(1, 10)]
-    assert [r.gate["decision"] for r in records[3:6]] == ["rerun", "rerun", "discard"]
-    assert records[5].gate["runs"] == 3 and records[5].gate["margin"] > 0 and records[5].gate["sd"] > 0
+    assert [r.gate.decision for r in records[3:6]] == ["rerun", "rerun", "discard"]
+    assert records[5].gate.runs == 3 and records[5].gate.margin > 0 and records[5].gate.stats["sd"] > 0
     assert {r.group for r in records[3:6]} == {4}
+    # record.json keeps the gate's evidence as one flat object (the test's figures beside the decision), and it
+    # reads back as the same typed evidence
+    raw = json.loads((Paths(gate_repo, "g").run_dir(6) / "record.json").read_text())["gate"]
+    assert raw["decision"] == "discard" and raw["runs"] == 3 and raw["test"] == "welch-t" and raw["sd"] > 0
+    assert "stats" not in raw and "selection" not in raw and Evidence.from_dict(raw) == records[5].gate
     assert state.best_bpb == 0.705 and abs(state.baseline_bpb - 1.0) < 1e-9
     out = subprocess.run(
         [sys.executable, "-m", "orchestrator.cli", "status", "--repo", str(gate_repo)],

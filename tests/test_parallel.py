@@ -84,7 +84,7 @@ def test_two_slots_run_generations(fake_repo, plan):
         assert {read_record(paths.run_dir(a)).slot, read_record(paths.run_dir(b)).slot} == {0, 1}
     assert all((paths.slot(i) / ".git").exists() for i in (0, 1))
     assert all(read_record(paths.run_dir(n)).device == "cpu" for n in (1, 2, 3))
-    assert read_record(paths.run_dir(3)).gate["selection"] is True
+    assert read_record(paths.run_dir(3)).gate.selection is True
 
     # the branch holds exactly the kept commits; the user's checkout is untouched
     user = git.Repo(repo)

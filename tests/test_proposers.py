@@ -207,10 +207,10 @@ def test_search_learns_each_idea_once_from_its_decided_outcome():
     """A promising idea's first run reads `discard` in results.tsv while the gate runs it again: search must not
     learn 'discarded' from it (nor count its repeats as more tries); it learns the final decision."""
     from orchestrator.proposers.search import outcomes
-    from orchestrator.store.ledger import Record
+    from orchestrator.store.ledger import Evidence, Record
 
     def rec(n, status, decision, group=None):
-        return Record(n=n, status=status, description="x", commit="c", gate={"decision": decision}, group=group)
+        return Record(n=n, status=status, description="x", commit="c", gate=Evidence(decision), group=group)
 
     pending = [rec(1, "keep", "keep"), rec(2, "discard", "rerun")]
     assert outcomes(pending) == {1: "keep", 2: None}

@@ -112,7 +112,7 @@ def test_the_benchmark_drives_the_real_proposers_through_the_real_loop(model, tm
         rows = read_rows(repo / "results.tsv")
         assert len(rows) == len(result["best_true"]) == 12  # the real ledger, one row per experiment
         record = read_record(Paths(repo, "bench").run_dir(4))
-        assert record.gate.get("decision") and record.metrics.get("true_bpb") is not None  # the real gate
+        assert record.gate.decision and record.metrics.get("true_bpb") is not None  # the real gate
         assert result["best_true"][0] is not None
         if method == NOOP:  # every edit is a comment: the true value never moves
             assert len(set(result["best_true"])) == 1 and all(gain == 0 for gain, _ in result["candidates"])

@@ -14,7 +14,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, replace
 
-from ..store.ledger import Record, Row
+from ..store.ledger import Evidence, Record, Row
 from ..trust import redaction
 from .noise import Gate, Verdict, judge
 from .plan import Kind
@@ -50,7 +50,7 @@ def disturbance(state: State, run: Finished) -> str:
     benefit of the doubt once: a second slow run is its own speed."""
     r = run.record
     group = group_of(r)
-    if any(x.gate.get("disturbed") for x in state.records if group_of(x) == group):
+    if any(x.gate.disturbed for x in state.records if group_of(x) == group):
         return ""
     same = [x for x in state.records if counts(x) and x.device == r.device]
     twins, unit, whose = [x for x in same if group_of(x) == group], "steps", "its twins'"
@@ -70,13 +70,13 @@ class Judgement:
     """What the judge decided of one run: its status and the gate's evidence (record.json's "gate")."""
 
     status: Status
-    gate: dict
+    gate: Evidence
 
 
 def decide(state: State, runs: list[Finished], gate: Gate) -> list[Judgement]:
     """Each run's status and evidence, in the order of `runs`; the records themselves are left as they are
     (the loop writes the judgements into them). A disturbed run is not judged: it is run again."""
-    work = [replace(r, record=replace(r.record, gate=dict(r.record.gate))) for r in runs]
+    work = [replace(r, record=replace(r.record, gate=replace(r.record.gate))) for r in runs]
     _judge(state, work, gate)
     return [Judgement(Status(r.record.status), r.record.gate) for r in work]
 
@@ -92,11 +92,7 @@ def _judge(state: State, runs: list[Finished], gate: Gate) -> None:
         run.record.status = Status.CRASH if run.crashed else Status.DISCARD
     if not state.best_group:
         for i, run in enumerate(ok):
-            run.record.gate = {
-                "decision": Decision.KEEP if i == 0 else Decision.REPEAT,
-                "runs": i + 1,
-                "why": "baseline",
-            }
+            run.record.gate = Evidence(Decision.KEEP if i == 0 else Decision.REPEAT, runs=i + 1, why="baseline")
         if ok:
             ok[0].record.status = Status.KEEP
         return
@@ -113,18 +109,18 @@ def _judge(state: State, runs: list[Finished], gate: Gate) -> None:
     for run in ok:
         if run.kind == Kind.PARENT:
             parent = parent_on(run.record.device)
-            run.record.gate = {
-                "decision": Decision.REPEAT,
-                "runs": len(parent),
-                "mean": statistics.fmean(parent),
-                "why": str(run.record.info.get("repeat", "")),
-            }
+            run.record.gate = Evidence(
+                Decision.REPEAT,
+                runs=len(parent),
+                mean=statistics.fmean(parent),
+                why=str(run.record.info.get("repeat", "")),
+            )
     candidates = [r for r in ok if r.kind == Kind.CANDIDATE]
     for run in candidates:
         parent = parent_on(run.record.device)
         if not parent:
             why = f"no run of the best on {run.record.device or 'this device'} to compare with"
-            run.record.gate = {"decision": Decision.DISCARD, "runs": 1, "why": why, "note": why}
+            run.record.gate = Evidence(Decision.DISCARD, runs=1, why=why, note=why)
             continue
         verdict = judge([run.record.bpb], parent, others(run), gate, run.shorter)
         run.record.gate = gate_fields(verdict, [run.record.bpb], parent)
@@ -133,14 +129,14 @@ def _judge(state: State, runs: list[Finished], gate: Gate) -> None:
     followups = [r for r in ok if r.kind in (Kind.RERUN, Kind.CONFIRM)]
     if followups:
         settle(state, followups, parent_on, others(followups[-1]), gate)
-    if followups and any(r.record.gate.get("decision") == Decision.RERUN for r in followups):
+    if followups and any(r.record.gate.decision == Decision.RERUN for r in followups):
         for run in runs:  # a crashed run of the candidate does not undo "run it again"
             if run.crashed and run.kind in (Kind.RERUN, Kind.CONFIRM):
-                run.record.gate = {"decision": Decision.CONFIRMING, "note": "crashed confirmation run"}
+                run.record.gate = Evidence(Decision.CONFIRMING, note="crashed confirmation run")
     for run in ok:
-        if run.record.gate.get("decision") == Decision.KEEP:
+        if run.record.gate.decision == Decision.KEEP:
             run.record.status = Status.KEEP
-    rerun_taken = any(r.record.gate.get("decision") == Decision.RERUN for r in ok) or (
+    rerun_taken = any(r.record.gate.decision == Decision.RERUN for r in ok) or (
         state.pending is not None and not followups
     )
     for run in (r for r in runs if r.disturbed):
@@ -151,12 +147,12 @@ def _judge(state: State, runs: list[Finished], gate: Gate) -> None:
         else:
             decision = Decision.REPEAT if run.kind in (Kind.PARENT, Kind.BASELINE) else Decision.DISCARD
         again = decision != Decision.DISCARD
-        run.record.gate = {
-            "decision": decision,
-            "runs": 1,
-            "disturbed": run.disturbed,
-            "note": f"{run.disturbed}: {'not counted, running again' if again else 'not judged'}",
-        }
+        run.record.gate = Evidence(
+            decision,
+            runs=1,
+            disturbed=run.disturbed,
+            note=f"{run.disturbed}: {'not counted, running again' if again else 'not judged'}",
+        )
 
 
 def select(candidates: list[Finished]) -> None:
@@ -165,43 +161,39 @@ def select(candidates: list[Finished]) -> None:
     eligible = [
         r
         for r in candidates
-        if r.record.gate.get("decision") in (Decision.KEEP, Decision.RERUN) and r.record.gate.get("delta", 0) > 0
+        if r.record.gate.decision in (Decision.KEEP, Decision.RERUN) and (r.record.gate.delta or 0) > 0
     ]
     for run in candidates:
-        run.record.gate["decision"] = Decision.DISCARD
+        run.record.gate.decision = Decision.DISCARD
     if not eligible:
         return
     winner = min(eligible, key=lambda r: r.record.bpb)
-    winner.record.gate.update(
-        decision=Decision.RERUN,
-        selection=True,
-        note=f"best of {len(candidates)}, by {winner.record.gate['delta']:.4f}: confirming",
-    )
+    evidence = winner.record.gate
+    evidence.decision, evidence.selection = Decision.RERUN, True
+    evidence.note = f"best of {len(candidates)}, by {evidence.delta or 0:.4f}: confirming"
     for run in eligible:
         if run is not winner:
-            run.record.gate["note"] = "beat the parent, but not the best of its generation"
+            run.record.gate.note = "beat the parent, but not the best of its generation"
 
 
 def settle(state: State, followups: list[Finished], parent_on, others: list[list[float]], gate: Gate) -> None:
     """Decide a pending candidate on all its counted runs on the last run's device."""
     final = followups[-1]
     group, device = group_of(final.record), final.record.device
-    confirming = any(r.gate.get("selection") for r in state.records if group_of(r) == group)
+    confirming = any(r.gate.selection for r in state.records if group_of(r) == group)
     for run in followups[:-1]:
-        run.record.gate = {"decision": Decision.CONFIRMING, "runs": 1, "note": "confirmation run"}
+        run.record.gate = Evidence(Decision.CONFIRMING, runs=1, note="confirmation run")
     values = state.runs(group, device) + [r.record.bpb for r in followups if r.record.device == device]
     parent = parent_on(device)
     if not parent:
-        final.record.gate = {
-            "decision": Decision.DISCARD,
-            "runs": len(values),
-            "note": "not confirmed: no parent run on this device",
-        }
+        final.record.gate = Evidence(
+            Decision.DISCARD, runs=len(values), note="not confirmed: no parent run on this device"
+        )
         return
     verdict = judge(values, parent, others, gate, final.shorter)
     final.record.gate = gate_fields(verdict, values, parent)
     if confirming:
-        final.record.gate["confirmation"] = True
+        final.record.gate.confirmation = True
         n, figures = len(values), f"{verdict.delta:+.4f}, margin {verdict.margin:.4f}"
         if verdict.decision == Decision.KEEP:
             note = f"confirmed by {n} run(s): {verdict.delta:+.4f} vs the parent, margin {verdict.margin:.4f}"
@@ -209,22 +201,22 @@ def settle(state: State, followups: list[Finished], parent_on, others: list[list
             note = f"inside the margin after {n} run(s) ({figures}): running again"
         else:
             note = f"not confirmed: {n} confirmation run(s) {verdict.why} ({figures})"
-        final.record.gate["note"] = note
+        final.record.gate.note = note
 
 
-def gate_fields(verdict: Verdict, candidate: list[float], parent: list[float]) -> dict:
-    """The decision and its evidence, as record.json keeps them: both means, spreads and run counts, the test,
-    its statistic and the threshold it had to clear at this look."""
-    return {
-        "decision": Decision(verdict.decision),
-        "runs": len(candidate),
-        "mean": statistics.fmean(candidate),
-        "best_mean": statistics.fmean(parent),
-        "margin": verdict.margin,
-        "delta": verdict.delta,
-        "why": verdict.why,
-        **verdict.evidence,
-    }
+def gate_fields(verdict: Verdict, candidate: list[float], parent: list[float]) -> Evidence:
+    """The decision and its evidence: both means, spreads and run counts, the test, its statistic and the
+    threshold it had to clear at this look."""
+    return Evidence(
+        Decision(verdict.decision),
+        runs=len(candidate),
+        mean=statistics.fmean(candidate),
+        best_mean=statistics.fmean(parent),
+        margin=verdict.margin,
+        delta=verdict.delta,
+        why=verdict.why,
+        stats=dict(verdict.evidence),
+    )
 
 
 def row_of(record: Record) -> Row:
@@ -246,13 +238,13 @@ def row_text(record: Record) -> tuple[float, str]:
     if record.status == Status.CRASH:  # the reason is the run's own words: cleaned (redaction.clean)
         return 0.0, f"{record.description} [crash: {redaction.clean(record.reason)}]"
     g = record.gate
-    if g.get("note"):  # several at once: selection, confirmation
-        value = g.get("mean", record.val_bpb) if record.status == Status.KEEP else record.val_bpb
-        return value or 0.0, f"{record.description} [{g['note']}]"
-    if g.get("decision") == Decision.RERUN:
-        return record.val_bpb or 0.0, f"{record.description} [inside the margin {g['margin']:.4f}: running again]"
-    if g.get("test") == "welch-t" and (g["decision"] == Decision.KEEP or g["runs"] > 1):
-        note = "simplification, " if g["why"].startswith("simplification") else ""
-        runs = f"mean of {g['runs']} runs" if g["runs"] > 1 else "1 run"
-        return g["mean"], f"{record.description} ({note}{runs}, margin {g['margin']:.4f})"
+    if g.note:  # several at once: selection, confirmation
+        value = g.mean if record.status == Status.KEEP and g.mean is not None else record.val_bpb
+        return value or 0.0, f"{record.description} [{g.note}]"
+    if g.decision == Decision.RERUN:
+        return record.val_bpb or 0.0, f"{record.description} [inside the margin {g.margin or 0:.4f}: running again]"
+    if g.stats.get("test") == "welch-t" and g.mean is not None and (g.decision == Decision.KEEP or g.runs > 1):
+        note = "simplification, " if g.why.startswith("simplification") else ""
+        runs = f"mean of {g.runs} runs" if g.runs > 1 else "1 run"
+        return g.mean, f"{record.description} ({note}{runs}, margin {g.margin or 0:.4f})"
     return record.val_bpb or 0.0, record.description

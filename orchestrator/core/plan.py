@@ -174,7 +174,7 @@ def plan(ws: Workspace, ideas: Ideas, state: State, slots: int) -> list[Planned]
     if state.pending is not None:
         pending = next(r for r in state.records if r.n == state.pending)
         again_runs: list[Planned]
-        if pending.gate.get("selection"):  # a best-of-k pick: confirm it on half the slots
+        if pending.gate.selection:  # a best-of-k pick: confirm it on half the slots
             k = max(1, math.ceil(slots / 2))
             again_runs = [
                 again(
@@ -211,7 +211,7 @@ def plan(ws: Workspace, ideas: Ideas, state: State, slots: int) -> list[Planned]
         return again_runs + [parent_run(state, "confirmation") for _ in range(slots - len(again_runs))]
     runs: list[Planned] = []
     wanted, base = 1 + s.baseline_repeats, state.baseline_group
-    since = [r for r in state.records if r.n >= base and not r.gate.get("disturbed")]
+    since = [r for r in state.records if r.n >= base and not r.gate.disturbed]
     have = sum(1 for r in since if group_of(r) == base)
     if state.best_group == base and have == len(since) and have < wanted:  # σ from the baseline, before any idea
         count = slots if wanted - have >= slots else min(wanted - have, slots - 1)

@@ -80,8 +80,8 @@ def counts(record: Record) -> bool:
     return (
         record.status != Status.CRASH
         and record.val_bpb is not None
-        and not record.gate.get("selection")
-        and not record.gate.get("disturbed")
+        and not record.gate.selection
+        and not record.gate.disturbed
     )
 
 
@@ -140,7 +140,7 @@ class State:
 
     def add(self, record: Record) -> None:
         self.records.append(record)
-        group, decision = group_of(record), record.gate.get("decision", record.status)
+        group, decision = group_of(record), record.gate.decision or record.status
         if decision == Decision.KEEP:
             self.best_commit, self.best_group, self.best_run, self.pending = record.commit, group, record.n, None
             if not self.baseline_group:

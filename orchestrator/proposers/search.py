@@ -185,7 +185,7 @@ def outcomes(history: list[Record]) -> dict[int, str | None]:
         elif first == rec.n and rec.status == "crash":
             out[first] = "crash"
         else:
-            pending = rec.gate.get("decision") in ("rerun", "confirming")
+            pending = rec.gate.decision in ("rerun", "confirming")
             out[first] = None if pending else "discard"
     return out
 

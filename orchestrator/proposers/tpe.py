@@ -96,7 +96,7 @@ def fits(dist, value) -> bool:
 def learnable(rec: Record) -> bool:
     """A finished run whose result says something about its configuration: not still training, and not a
     crash or slowdown of the machine (cause environment, disturbed), which may be tried again."""
-    return rec.status in ("keep", "discard", "crash") and rec.cause != "environment" and not rec.gate.get("disturbed")
+    return rec.status in ("keep", "discard", "crash") and rec.cause != "environment" and not rec.gate.disturbed
 
 
 def finished_trials(optuna, space: dict[str, Param], moves: list[tuple[Record, dict]]) -> list:

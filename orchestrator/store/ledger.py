@@ -32,6 +32,44 @@ class Row:
 
 
 @dataclass
+class Evidence:
+    """What the noise gate decided of one run and on what (record.json "gate", one flat object): the decision,
+    the runs it counted, both means, the margin the candidate had to clear and its delta, why, the note the row
+    shows, and the statistical test's own figures (`stats`: test, t, threshold, dof, ...; core/noise.py)."""
+
+    decision: str = ""  # keep | discard | rerun | confirming | repeat (core/state.py: Decision)
+    runs: int = 0
+    mean: float | None = None
+    best_mean: float | None = None
+    margin: float | None = None
+    delta: float | None = None
+    why: str = ""
+    note: str = ""
+    selection: bool = False  # the best of a generation's candidates, to be confirmed
+    confirmation: bool = False  # decided by confirmation runs
+    disturbed: str = ""  # why the run was not counted (another process slowed it)
+    stats: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        """The flat object record.json holds: the fields that are set, then the test's figures."""
+        out = {
+            k: v
+            for k, v in ((f, getattr(self, f)) for f in EVIDENCE_FIELDS)
+            if v is not None and v != "" and v is not False and not (k == "runs" and v == 0)
+        }
+        return {**out, **self.stats}
+
+    @classmethod
+    def from_dict(cls, data: dict | None) -> Evidence:
+        data = dict(data or {})
+        known = {k: data.pop(k) for k in EVIDENCE_FIELDS if k in data}
+        return cls(**known, stats=data)
+
+
+EVIDENCE_FIELDS = tuple(f for f in Evidence.__dataclass_fields__ if f != "stats")
+
+
+@dataclass
 class Record:
     """Everything about one experiment that does not fit in a row (record.json)."""
 
@@ -52,7 +90,7 @@ class Record:
     best_before: float | None = None
     info: dict = field(default_factory=dict)  # what the proposer attached (e.g. the queue item id)
     group: int = 0  # the first run of this candidate (repeats share it); 0 means n
-    gate: dict = field(default_factory=dict)  # decision, runs, mean, margin, sigma (noise-aware gate)
+    gate: Evidence = field(default_factory=Evidence)  # the noise gate's decision and its evidence
     device: str = ""  # what it ran on, as the executor saw it (e.g. "NVIDIA H100 80GB HBM3", "cpu")
     slot: int | None = None  # the executor slot (parallel runs)
     phase: str = ""  # where a crash happened: propose, check, train, evaluate, audit
@@ -150,12 +188,22 @@ def write_json_atomic(path: Path, data: dict) -> None:
     _fsync_dir(path.parent)
 
 
+def record_dict(record: Record) -> dict:
+    """The record as record.json holds it."""
+    return {**asdict(record), "gate": record.gate.to_dict()}
+
+
 def write_record(run_dir: Path, record: Record) -> None:
-    write_json_atomic(run_dir / "record.json", asdict(record))
+    write_json_atomic(run_dir / "record.json", record_dict(record))
 
 
 def read_record(run_dir: Path) -> Record | None:
     try:
-        return Record(**json.loads((run_dir / "record.json").read_text()))
+        data = json.loads((run_dir / "record.json").read_text())
+        if not isinstance(data, dict):
+            return None
+        gate = data.get("gate")
+        data["gate"] = Evidence.from_dict(gate if isinstance(gate, dict) else {})
+        return Record(**data)
     except (OSError, ValueError, TypeError):
         return None

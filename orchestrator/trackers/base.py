@@ -146,8 +146,8 @@ def tags_of(record: Record, changed: list[str]) -> dict[str, str]:
         "reason": record.reason,
         "phase": record.phase,
         "cause": record.cause,
-        "decision": record.gate.get("decision"),
-        **{f"gate.{k}": v for k, v in record.gate.items() if k != "decision"},
+        "decision": record.gate.decision or None,
+        **{f"gate.{k}": v for k, v in record.gate.to_dict().items() if k != "decision"},
         **{f"info.{k}": v for k, v in record.info.items() if isinstance(v, (str, int, float, bool))},
     }
     if usage:  # what the proposer's LLM or agent cost for this idea

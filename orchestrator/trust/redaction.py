@@ -120,5 +120,5 @@ def record(rec) -> None:
     rec.reason = clean(rec.reason)
     rec.description = redact(rec.description)
     rec.metrics = {k: clean(v) if isinstance(v, str) else v for k, v in rec.metrics.items()}
-    if isinstance(rec.gate.get("note"), str):
-        rec.gate["note"] = redact(rec.gate["note"])
+    if isinstance(rec.gate.note, str):
+        rec.gate.note = redact(rec.gate.note)
