@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 MAX_DUPLICATE_ASKS = 3  # ask again this often when a proposal repeats one already in the generation
 CANCEL_WAIT_S = 15.0  # how long a stop waits for an idea being made to give up (its agent is killed)
+REFILL_BEFORE = 0.5  # a slot freed while others train re-runs the best if the generation is younger than this x budget
 
 
 class Kind(str, Enum):
@@ -157,6 +158,15 @@ def parent_run(state: State, why: str, label: str = "") -> Planned:
         ),
         Kind.PARENT,
     )
+
+
+def refill(state: State, free: int, busy: int, age_s: float, budget: float, room: int | None) -> Planned | None:
+    """The run for a slot freed early (its run crashed at once) while `busy` others still train: a repeat of the
+    best, which sharpens the noise estimate, if the generation is younger than REFILL_BEFORE of the budget and
+    --max-experiments leaves `room` (None: no limit) for it; else None (the slot waits for the generation)."""
+    if not (free and busy and state.best_group and age_s < REFILL_BEFORE * budget and (room is None or room > 0)):
+        return None
+    return parent_run(state, "slot freed early")
 
 
 def plan(ws: Workspace, ideas: Ideas, state: State, slots: int) -> list[Planned]:

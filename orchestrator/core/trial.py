@@ -27,7 +27,7 @@ from ..trust.evaluation import RESULT, audit_clock, compare_printed, evaluator_f
 from ..trust.guard import new_violations
 from ..trust.harness import evaluation_data
 from ..trust.summary import environment_error, last_error_line, parse_summary, read_tail, val_bpb_of
-from .plan import Ideas, Kind, Planned, as_running, parent_run
+from .plan import Ideas, Kind, Planned, as_running, refill
 from .progress import Progress, format_eta, last_step
 from .state import Cause, Crash, Phase, State, counts, group_of
 
@@ -36,7 +36,6 @@ if TYPE_CHECKING:
 
 PROGRESS_TICK_S = 1.0
 MAX_INFRA_RETRIES = 3  # executor failures (node lost, worker died) of one experiment before the loop stops
-REFILL_BEFORE = 0.5  # a slot freed while others train re-runs the best if the generation is younger than this x budget
 STOP_WAIT_S = 30.0  # how long a stop waits for cancelled runs to end (their trees are killed: SIGTERM, SIGKILL)
 
 
@@ -242,7 +241,8 @@ def run_generation(
     progress: Progress,
     remaining: int | None,
 ) -> list[Run]:
-    """Start every planned run, refill slots freed early with runs of the best, wait for all; runs by number.
+    """Start every planned run, and on a slot freed early what the planner gives it (plan.refill); wait for all;
+    runs by number.
     With pipelining the next generation's ideas are made meanwhile."""
     runs: list[Run] = []
     slots, born = list(executor.slots), time.monotonic()
@@ -281,21 +281,15 @@ def run_generation(
                         )
                     if run.crash:
                         free.append(run.slot)
-            busy = [r for r in runs if not r.done]
-            young = time.monotonic() - born < REFILL_BEFORE * ws.settings.budget
-            while (
-                free and busy and young and state.best_group and (remaining is None or next_n - state.done <= remaining)
+            while extra := refill(
+                state,
+                len(free),
+                sum(1 for r in runs if not r.done),
+                time.monotonic() - born,
+                ws.settings.budget,
+                None if remaining is None else remaining - (next_n - 1 - state.done),
             ):
-                start(
-                    ws,
-                    executor,
-                    state,
-                    parent_run(state, "slot freed early"),
-                    free.pop(0),
-                    next_n,
-                    ideas.proposer.name,
-                    runs,
-                )
+                start(ws, executor, state, extra, free.pop(0), next_n, ideas.proposer.name, runs)
                 next_n += 1
                 free += [r.slot for r in runs[-1:] if r.done]
             if all(r.done for r in runs):

@@ -1,0 +1,115 @@
+"""The decision logic as tables: `decide` (the judge) and the planner's slot refill, on states replayed from
+records. No git, no processes: each row is a state, what finished, and what must be decided."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import pytest
+
+from orchestrator.core.judge import Finished, decide
+from orchestrator.core.noise import Gate
+from orchestrator.core.plan import REFILL_BEFORE, Kind, refill
+from orchestrator.core.state import replay
+from orchestrator.store.ledger import Evidence, Record
+
+BASELINE = Record(
+    n=1,
+    status="keep",
+    description="baseline",
+    commit="c1",
+    val_bpb=1.0,
+    gate=Evidence("keep", runs=1, why="baseline"),
+    device="cpu",
+    metrics={"num_steps": 100, "total_tokens_M": 100.0, "training_seconds": 10.0, "num_params_M": 1.0},
+)
+
+
+def run(n: int, bpb: float | None, kind: Kind = Kind.CANDIDATE, steps: int = 100, group: int = 0) -> Finished:
+    record = Record(
+        n=n,
+        status="",
+        description=f"idea {n}",
+        commit=f"c{n}",
+        val_bpb=bpb,
+        device="cpu",
+        group=group,
+        metrics={"num_steps": steps, "total_tokens_M": float(steps), "training_seconds": 10.0, "num_params_M": 1.0},
+    )
+    return Finished(record, kind, crashed=bpb is None)
+
+
+# state's records, the finished runs, the gate -> (status, gate decision, a word of the note) of each
+TABLE = [
+    ("first baseline", [], [run(1, 1.0, Kind.BASELINE)], "strict", [("keep", "keep", "")]),
+    (
+        "baseline on two slots: the second is a repeat",
+        [],
+        [run(1, 1.0, Kind.BASELINE), run(2, 1.01, Kind.BASELINE, group=1)],
+        "strict",
+        [("keep", "keep", ""), ("discard", "repeat", "")],
+    ),
+    ("a crashed baseline", [], [run(1, None, Kind.BASELINE)], "strict", [("crash", "", "")]),
+    ("lower is kept", [BASELINE], [run(2, 0.9)], "strict", [("keep", "keep", "")]),
+    ("higher is discarded", [BASELINE], [run(2, 1.1)], "strict", [("discard", "discard", "")]),
+    ("equal is discarded", [BASELINE], [run(2, 1.0)], "strict", [("discard", "discard", "")]),
+    (
+        "of two better candidates the best is confirmed, none kept now",
+        [BASELINE],
+        [run(2, 0.95), run(3, 0.9), run(4, None)],
+        "strict",
+        [("discard", "discard", "not the best"), ("discard", "rerun", "best of 2"), ("crash", "", "")],
+    ),
+    (
+        "a candidate slowed from outside is run again, not judged",
+        [BASELINE],
+        [run(2, 0.5, steps=20), run(3, 1.1)],
+        "noise",
+        [("discard", "rerun", "disturbed"), ("discard", "discard", "")],
+    ),
+]
+
+
+@pytest.mark.parametrize("name, records, runs, mode, expected", TABLE, ids=[row[0] for row in TABLE])
+def test_decide(name, records, runs, mode, expected):
+    state = replay(list(records), "c0")
+    before = [asdict(r.record) for r in runs]
+    judged = decide(state, runs, Gate(mode))
+    got = [(str(j.status), str(j.gate.decision), j.gate.note) for j in judged]
+    assert [(s, d) for s, d, _ in got] == [(s, d) for s, d, _ in expected], got
+    for (_, _, note), (_, _, word) in zip(got, expected):
+        assert word in note, (note, word)
+    assert [asdict(r.record) for r in runs] == before  # decide is pure: the records are left as they were
+
+
+def test_a_second_slow_run_of_a_configuration_is_its_own_speed():
+    """A configuration gets the benefit of the doubt once: run again, a slow run counts."""
+    slow = run(2, 0.5, steps=20)
+    first = decide(replay([BASELINE], "c0"), [slow], Gate("noise"))[0]
+    assert first.gate.disturbed
+    slow.record.status, slow.record.gate = str(first.status), first.gate
+    again = decide(replay([BASELINE, slow.record], "c0"), [run(3, 0.5, Kind.RERUN, steps=20, group=2)], Gate("noise"))
+    assert not again[0].gate.disturbed and again[0].gate.decision in ("keep", "rerun")
+
+
+BUDGET = 60.0
+# free slots, busy runs, age of the generation, --max-experiments room -> a repeat of the best or nothing
+REFILLS = [
+    (1, 1, 0.0, None, True),
+    (1, 3, REFILL_BEFORE * BUDGET - 1, 5, True),
+    (0, 1, 0.0, None, False),  # no free slot
+    (1, 0, 0.0, None, False),  # nothing else trains: the generation is over anyway
+    (1, 1, REFILL_BEFORE * BUDGET + 1, None, False),  # too late: it would hold up the next generation
+    (1, 1, 0.0, 0, False),  # --max-experiments reached
+]
+
+
+@pytest.mark.parametrize("free, busy, age, room, wanted", REFILLS)
+def test_refill(free, busy, age, room, wanted):
+    state = replay([BASELINE], "c0")
+    planned = refill(state, free, busy, age, BUDGET, room)
+    assert (planned is not None) == wanted
+    if planned is not None:
+        assert planned.kind == Kind.PARENT and planned.prepared.base == "c1" and planned.prepared.group == 1
+        assert planned.prepared.info == {"repeat": "slot freed early"}
+    assert refill(replay([], "c0"), free, busy, age, BUDGET, room) is None  # no best yet: nothing to repeat
