@@ -28,6 +28,7 @@ if __name__ == "__main__" and "--evaluate" in sys.argv and sys.platform.startswi
     os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
 
 import argparse
+import bisect
 import glob
 import hashlib
 import http.client
@@ -761,6 +762,27 @@ def _document_batches(paths, batch_docs=128, loop=True):
         epoch += 1
 
 
+class _FitBuffer:
+    """The packing buffer: documents in arrival order, found by length in O(log n) (a sorted index of (length,
+    arrival)): the longest that fits, the earliest of equal length; or, when none fits, the shortest."""
+
+    def __init__(self):
+        self.docs, self.index, self.arrivals = {}, [], 0
+
+    def __len__(self):
+        return len(self.index)
+
+    def add(self, doc):
+        bisect.insort(self.index, (len(doc), self.arrivals))
+        self.docs[self.arrivals] = doc
+        self.arrivals += 1
+
+    def take(self, room):
+        i = bisect.bisect_right(self.index, (room, math.inf)) - 1  # the longest that fits
+        i = bisect.bisect_left(self.index, (self.index[i][0], -1)) if i >= 0 else 0  # its earliest; or the shortest
+        return self.docs.pop(self.index.pop(i)[1])
+
+
 def _packed_rows(tokenizer, T, paths, loop=True, buffer_size=1000):
     """
     BOS-aligned best-fit packing into rows of T+1 tokens (inputs and shifted targets): every row starts with
@@ -771,7 +793,7 @@ def _packed_rows(tokenizer, T, paths, loop=True, buffer_size=1000):
     capacity = T + 1
     batches = _document_batches(paths, loop=loop)
     bos = tokenizer.get_bos_token_id()
-    buffer, epoch, exhausted = [], 1, False
+    buffer, epoch, exhausted = _FitBuffer(), 1, False
     while True:
         row = []
         while len(row) < capacity:
@@ -783,17 +805,11 @@ def _packed_rows(tokenizer, T, paths, loop=True, buffer_size=1000):
                     break
                 for ids in tokenizer.encode(docs):
                     for start in range(0, max(len(ids), 1), capacity - 1):
-                        buffer.append([bos, *ids[start:start + capacity - 1]])
-            if not buffer:
+                        buffer.add([bos, *ids[start:start + capacity - 1]])
+            if not len(buffer):
                 return  # a single pass ran out of documents (a partial row is dropped)
             remaining = capacity - len(row)
-            best, best_len = -1, 0
-            for i, doc in enumerate(buffer):
-                if best_len < len(doc) <= remaining:
-                    best, best_len = i, len(doc)
-            if best < 0:
-                best = min(range(len(buffer)), key=lambda i: len(buffer[i]))
-            row.extend(buffer.pop(best)[:remaining])
+            row.extend(buffer.take(remaining)[:remaining])
         yield row, epoch
 
 

@@ -447,6 +447,32 @@ def test_a_corpus_too_small_to_evaluate_is_refused(tmp_path):
     assert not list((tmp_path / "cache").glob("*/manifest-gpu.json"))  # nothing half-prepared passes for ready
 
 
+def test_the_packer_picks_the_longest_document_that_fits_else_the_shortest(tiny_env):
+    """The packing buffer's index picks what a scan of the buffer in arrival order would: the longest document
+    that fits the row's room (the earliest of equal length), or, when none fits, the shortest (the earliest)."""
+    out = run_py(
+        """
+import random, prepare
+rng = random.Random(0)
+for trial in range(300):
+    docs = [[trial, i] + [0] * rng.randrange(0, 12) for i in range(rng.randrange(1, 30))]
+    buffer, scan = prepare._FitBuffer(), list(docs)
+    for d in docs:
+        buffer.add(d)
+    while scan:
+        room = rng.randrange(1, 16)
+        fits = [d for d in scan if len(d) <= room]
+        want = max(fits, key=len) if fits else min(scan, key=len)  # max/min keep the first of equal length
+        scan.remove(want)
+        assert buffer.take(room) is want, (trial, room)
+    assert len(buffer) == 0
+print("ok")
+""",
+        tiny_env,
+    )
+    assert out.split()[-1] == "ok"
+
+
 def test_dataloader_batches_carry_the_packed_rows_in_order(tiny_env):
     """Several consecutive batches hold exactly the rows the packer makes, inputs and targets shifted by one
     (the host buffers are reused; on CUDA a reused buffer would otherwise be overwritten before its copy)."""
