@@ -98,7 +98,7 @@ def session(
             ws = Workspace(settings, lambda line: None)
             t = time.perf_counter()
             for _ in range(20):
-                ws.touched(ws.protected(state))
+                ws.protection.touched(ws.protection.snapshot(state))
             fingerprint.append((time.perf_counter() - t) / 20)
         return wall, [read_record(Paths(repo, "bench").run_dir(n)) for n in range(1, experiments + 1)]
 

@@ -212,7 +212,7 @@ def stopped(
     progress.clear()
     with signals(signal.SIGINT, signal.SIG_IGN), signals(signal.SIGTERM, signal.SIG_IGN):
         ideas.stop()
-        ws.kill_tracked()
+        ws.processes.kill_all()
         with contextlib.suppress(Exception):
             gitops.reset_to(ws.wt, state.best_commit)
         write_status(ws.paths, phase="stopped", train_pid=None, train_pids={}, running=[])
@@ -231,7 +231,7 @@ def stopped(
         ws.echo("autoloop: running the held-out check (Ctrl-C again to skip it) ...")
         holdout_check(ws, executor, state, ws.echo)
     except KeyboardInterrupt as again:
-        ws.kill_tracked()
+        ws.processes.kill_all()
         if isinstance(again, Terminated):
             raise
         ws.echo("autoloop: held-out check skipped (`autoloop report` can make it later)")

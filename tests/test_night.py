@@ -511,7 +511,7 @@ def test_resume_ends_a_killed_runs_worker_whose_parent_is_gone(tmp_path):
     it gone, and the worker ran on. Now the run's whole session (its id is train.py's pid) is ended."""
     import psutil
 
-    from orchestrator.core.workspace import kill_orphan
+    from orchestrator.core.processes import kill_orphan
 
     pidfile = tmp_path / "worker.pid"
     code = (

@@ -93,7 +93,7 @@ def evaluate(ws: Workspace, executor: Executor, commit: str, artifact: Path, out
         step_stdin=[nonce + "\n"],
         sandbox=ws.sandbox,
     )
-    job.on_start = lambda pid: ws.track_pid("holdout", pid, time.time())  # killed on the way out if need be
+    job.on_start = lambda pid: ws.processes.started("holdout", pid, time.time())  # killed on the way out if need be
     for _ in range(MAX_ATTEMPTS):
         handle = executor.submit(job, executor.slots[0])
         try:

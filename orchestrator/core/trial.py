@@ -180,7 +180,7 @@ def submit(ws: Workspace, executor: Executor, job: Job, slot: Slot, record: Reco
             created = psutil.Process(pid).create_time()
         except psutil.Error:
             created = 0.0
-        ws.track_pid(slot.index, pid, created)
+        ws.processes.started(slot.index, pid, created)
 
     job.on_start = on_start
     record.timings.setdefault("submitted", time.time())
@@ -247,7 +247,7 @@ def run_generation(
     runs: list[Run] = []
     slots, born = list(executor.slots), time.monotonic()
     startup = learned_startup(state, ws.settings.budget)  # the clock audit's allowance, from the baseline
-    protected = ws.protected(state)  # checked after every run, restored if touched
+    protected = ws.protection.snapshot(state)  # checked after every run, restored if touched
     next_n = state.done + 1
     try:
         for item, slot in zip(planned, slots):
@@ -275,7 +275,7 @@ def run_generation(
                     if problems := ws.integrity_problems():  # the run changed prepare.py or the data
                         run.crash = Crash(f"the run changed the harness: {'; '.join(problems)}", Phase.AUDIT)
                         ws.restore_harness()
-                    if touched := ws.touched(protected):  # put back as it was
+                    if touched := ws.protection.touched(protected):  # put back as it was
                         run.crash = Crash(
                             f"the run touched what it may not (restored): {', '.join(touched[:5])}", Phase.AUDIT
                         )

@@ -5,25 +5,23 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import git
-import psutil
 
 from .. import LoopError
 from ..executors import Executor, gpu
-from ..executors.runner import kill_tree
 from ..proposers.queue import Queue
 from ..store import gitops
 from ..store.ledger import Record, append_row, ensure_header, write_json_atomic, write_record
-from ..store.session import Paths, read_status, write_status
+from ..store.session import Paths, read_status
 from ..store.spend import Spend
 from ..trust import confine, harness, redaction
 from .judge import row_of
+from .processes import Processes, kill_orphan
+from .protection import Protection
 from .settings import Settings
 from .state import State, load_records, replay
 
@@ -57,10 +55,10 @@ class Workspace:
         self.spend = Spend(self.paths.spend, settings.max_tokens, settings.max_cost)
         self.started = time.time()
         self._proposal_wt: git.Repo | None = None
-        self.pids: dict[str, list[float]] = {}  # slot -> [pid, create time] of the process it runs here
-        self._pids_lock = threading.Lock()  # slot threads report pids while the loop records
+        self.processes = Processes(self.paths)  # what runs on each slot now (status.json; killed on the way out)
         self.generation = 0  # generations started by this process
         self.sandbox: dict | None = None  # the runs' bubblewrap settings (Job.sandbox); None: unconfined
+        self.protection = Protection(self.repo, self.paths, settings.repo, settings.tag, echo)
 
     def proposal_worktree(self, base: str):
         """The proposers' worktree, reset to base (detached; never on the loop's branch)."""
@@ -265,83 +263,6 @@ class Workspace:
                 problems.append("the manifest (evaluation sizes, file hashes) changed since session start")
         return problems
 
-    def protected(self, state: State) -> Protected:
-        """What no run may touch, as it is now: the ledger, the records, the session pin, the queue, and the
-        repository's refs; the git state git itself would act on (config, attributes, alternates, hooks, the
-        worktrees' links and HEADs) is the guard's, taken afresh here. Whatever the guard put back while no run
-        was going (e.g. after one that changed it was already judged) is said, not blamed on the next run."""
-        guard = gitops.guard_of(self.repo)
-        if stray := guard.check() + guard.drain():
-            self.echo(f"autoloop: note: put back what was changed in git between runs: {', '.join(self._named(stray))}")
-        guard.snapshot()
-        paths = [
-            self.paths.ledger,
-            self.paths.session,
-            self.paths.queue,
-            *(self.paths.run_dir(r.n) / "record.json" for r in state.records),
-        ]
-        return Protected({path: _read(path) for path in paths}, gitops.refs(self.repo))
-
-    def touched(self, before: Protected) -> list[str]:
-        """What a run changed of `before` (protected()) and of what the guard keeps, each put back as it was: a
-        file rewritten, a hook or ref planted, a ref moved (but the controller's own: the run's tried ref, the
-        session branch). The queue may be created or grow (`autoloop queue add` while a loop runs), never
-        change; other sessions' refs (refs/autoloop/<tag>/, autoloop/<tag> branches) are theirs. Confined or
-        not: in the sandbox a run still writes its worktree's `.git` file."""
-        guard = gitops.guard_of(self.repo)
-        guard.check()
-        changed = self._named(guard.drain())
-        for path, old in before.files.items():
-            data = _read(path)
-            if data == old or path == self.paths.queue and data is not None and data.startswith(old or b""):
-                continue
-            changed.append(self._named([path])[0])
-            if old is None:
-                path.unlink(missing_ok=True)
-            else:
-                path.write_bytes(old)
-        return changed + self._moved_refs(before.refs, guard.written)
-
-    def _moved_refs(self, before: dict[str, tuple[str, str]], written: dict[str, str]) -> list[str]:
-        """Refs that differ from before other than by the controller's own update; each put back."""
-        now = gitops.refs(self.repo)
-        ours = (f"refs/autoloop/{self.settings.tag}/", f"refs/heads/autoloop/{self.settings.tag}")
-        moved = []
-        for name in sorted({*before, *now}):
-            expected = (written[name], "") if name in written else before.get(name)
-            others = (
-                name.startswith(("refs/autoloop/", "refs/heads/autoloop/"))
-                and not (name.startswith(ours[0]) or name == ours[1])
-                or name in self._users_refs()
-            )
-            if now.get(name) != expected and not others:
-                try:
-                    gitops.restore_ref(self.repo, name, expected)
-                except git.GitCommandError as e:  # e.g. a lock file planted next to it
-                    raise LoopError(
-                        f"a run changed the ref {name} and it could not be put back "
-                        f"({' '.join(str(e.stderr).split())[:200]}); restore it (git update-ref), "
-                        "then run the same command to resume"
-                    ) from None
-                moved.append(name)
-        return moved
-
-    def _users_refs(self) -> set[str]:
-        """The refs you move yourself while a loop runs (committing or stashing in your checkout): the branch
-        checked out in your worktree and the stash. A run is never blamed for them, nor are they set back; the
-        sandbox keeps runs out of .git altogether."""
-        try:
-            head = self.repo.git.symbolic_ref("-q", "HEAD").strip()
-        except git.GitCommandError:  # a detached HEAD
-            head = ""
-        return {name for name in (head, "refs/stash") if name}
-
-    def _named(self, paths: list[Path]) -> list[str]:
-        """Paths as the user knows them: relative to the repository where inside it."""
-        root = self.settings.repo.resolve()
-        resolved = dict.fromkeys(p.resolve() for p in paths)
-        return [str(p.relative_to(root)) if p.is_relative_to(root) else str(p) for p in resolved]
-
     def restore_harness(self) -> None:
         """After a run changed the harness: the pinned prepare.py checked out again and the data prepared again
         from scratch, so the next run is fine; LoopError if that does not make it verify."""
@@ -368,17 +289,6 @@ class Workspace:
                 "re-run `python prepare.py --force`, then the same autoloop command to resume"
             )
 
-    def track_pid(self, slot: int | str, pid: int, created: float) -> None:
-        with self._pids_lock:
-            self.pids[str(slot)] = [pid, created]
-            write_status(self.paths, train_pid=pid, train_started=created, train_pids=dict(self.pids))
-
-    def kill_tracked(self) -> None:
-        """The last line of defence on the way out: end every run this controller started that still lives."""
-        with self._pids_lock:
-            running, self.pids = dict(self.pids), {}
-        kill_orphan({"train_pids": running})
-
     def record(self, record: Record, state: State) -> None:
         """Write one decided run: record.json, then the fsync'd row, then the branch (in that order, for resume);
         keep the saved models of the baseline and the best only. The record is cleaned first (in place: the
@@ -396,32 +306,7 @@ class Workspace:
             self.queue.mark_done(record.info["queue_id"], self.settings.tag, record.n)
         gitops.reset_to(self.wt, state.best_commit)
         spread = state.spread()
-        with self._pids_lock:
-            self.pids.pop(str(record.slot or 0), None)
-            write_status(
-                self.paths,
-                phase="idle",
-                train_pid=None,
-                train_pids=dict(self.pids),
-                last=record.n,
-                sigma=spread.sd,
-                sigma_dof=spread.dof,
-            )
-
-
-def _read(path: Path) -> bytes | None:
-    try:
-        return path.read_bytes()
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-        return None
-
-
-@dataclass
-class Protected:
-    """What no run may touch, as it was before the runs of a generation (Workspace.protected)."""
-
-    files: dict[Path, bytes | None]
-    refs: dict[str, tuple[str, str]]  # name -> (commit, symbolic target)
+        self.processes.ended(record.slot or 0, phase="idle", last=record.n, sigma=spread.sd, sigma_dof=spread.dof)
 
 
 class SessionChanged(LoopError):
@@ -434,28 +319,3 @@ class SessionChanged(LoopError):
             f"session (--tag {tag}-2, or leave out --tag to get a fresh one)"
         )
         self.tag, self.differences = tag, differences
-
-
-def kill_orphan(status: dict) -> None:
-    """A controller killed with SIGKILL leaves its training processes running: end them before resuming."""
-    running = [tuple(v) for v in (status.get("train_pids") or {}).values()]
-    if status.get("train_pid"):
-        running.append((status["train_pid"], status.get("train_started", 0)))
-    for pid, created in set(running):
-        pid = int(pid)
-        try:
-            proc = psutil.Process(pid)
-            if proc.status() != psutil.STATUS_ZOMBIE:
-                if abs(proc.create_time() - created) < 2.0:
-                    kill_tree(pid, pid)
-                continue  # alive, or the pid is another process's now: a session with its id is not ours
-        except psutil.Error:
-            pass
-        # the run's first process is gone, but its session may still hold one (e.g. a worker that ignored the
-        # SIGTERM of a timeout when the controller was killed): each run is a session whose id is that pid
-        for proc in psutil.process_iter(["create_time"]):
-            try:
-                if os.getsid(proc.pid) == pid and proc.info["create_time"] >= created - 2.0:
-                    kill_tree(proc.pid, pid)
-            except (OSError, psutil.Error):
-                pass
