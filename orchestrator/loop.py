@@ -20,10 +20,10 @@ from . import LoopError
 from .core.holdout import due, holdout_check
 from .core.judge import Finished, decide
 from .core.noise import load_statistics, significant_lines
-from .core.plan import Ideas, Kind, plan
+from .core.plan import Ideas, plan
 from .core.progress import Progress
 from .core.settings import Settings
-from .core.state import Cause, State, Status, group_of
+from .core.state import Cause, Kind, State, Status, group_of
 from .core.trial import Run, run_generation
 from .core.workspace import SessionChanged, Workspace
 from .doctor import preflight

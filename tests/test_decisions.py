@@ -9,8 +9,8 @@ import pytest
 
 from orchestrator.core.judge import Finished, decide
 from orchestrator.core.noise import Gate
-from orchestrator.core.plan import REFILL_BEFORE, Kind, refill
-from orchestrator.core.state import replay
+from orchestrator.core.plan import REFILL_BEFORE, refill
+from orchestrator.core.state import Kind, replay
 from orchestrator.store.ledger import Evidence, Record
 
 BASELINE = Record(
@@ -110,6 +110,6 @@ def test_refill(free, busy, age, room, wanted):
     planned = refill(state, free, busy, age, BUDGET, room)
     assert (planned is not None) == wanted
     if planned is not None:
-        assert planned.kind == Kind.PARENT and planned.prepared.base == "c1" and planned.prepared.group == 1
-        assert planned.prepared.info == {"repeat": "slot freed early"}
+        assert planned.kind == Kind.PARENT and planned.base == "c1" and planned.group == 1
+        assert planned.info == {"repeat": "slot freed early"}
     assert refill(replay([], "c0"), free, busy, age, BUDGET, room) is None  # no best yet: nothing to repeat

@@ -17,8 +17,7 @@ from dataclasses import dataclass, replace
 from ..store.ledger import Evidence, Record, Row
 from ..trust import redaction
 from .noise import Gate, Verdict, judge
-from .plan import Kind
-from .state import Decision, State, Status, counts, group_of
+from .state import Decision, Kind, State, Status, counts, group_of
 
 DISTURBED = 0.7  # a run below this share of its twins' median throughput was slowed from outside
 

@@ -18,6 +18,7 @@ from ..proposers import Proposal, ProposalFailed, Proposer
 from ..proposers.queue import apply_idea
 from ..store import gitops
 from ..store.ledger import Record
+from .state import Kind
 
 if TYPE_CHECKING:
     from .workspace import Workspace
@@ -38,6 +39,7 @@ class Prepared:
     planned: str = ""  # a commit of the idea in the proposal worktree (ideas of one generation see each other)
     ready: float = 0.0  # wall-clock time the idea was ready
     waited: float = 0.0  # how long the loop waited for it (0 when it was made while others trained)
+    kind: Kind = Kind.CANDIDATE  # why it runs in its generation (the judge reads each kind its own way)
 
 
 def make_proposal(ws: Workspace, proposer: Proposer, base: str, history: list[Record]) -> Prepared:

@@ -12,15 +12,13 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from enum import Enum
 from typing import TYPE_CHECKING
 
 from ..proposers import Proposer
 from ..store.ledger import Record
 from .noise import parent_first
 from .pipeline import Prefetch, Prepared, carry, make_proposal
-from .state import State, group_of
+from .state import Kind, State, group_of
 
 if TYPE_CHECKING:
     from .workspace import Workspace
@@ -28,22 +26,6 @@ if TYPE_CHECKING:
 MAX_DUPLICATE_ASKS = 3  # ask again this often when a proposal repeats one already in the generation
 CANCEL_WAIT_S = 15.0  # how long a stop waits for an idea being made to give up (its agent is killed)
 REFILL_BEFORE = 0.5  # a slot freed while others train re-runs the best if the generation is younger than this x budget
-
-
-class Kind(str, Enum):
-    """Why a run is in a generation; the judge reads each kind its own way."""
-
-    BASELINE = "baseline"  # the starting train.py (its first runs measure the noise)
-    PARENT = "parent"  # the best again: sharpens its mean, measures sigma
-    CANDIDATE = "candidate"  # a new idea
-    RERUN = "rerun"  # a pending candidate again (inside the margin)
-    CONFIRM = "confirm"  # a best-of-k pick run again before it is kept
-
-
-@dataclass
-class Planned:
-    prepared: Prepared
-    kind: Kind
 
 
 class Ideas:
@@ -136,31 +118,28 @@ def as_running(record: Record) -> Record:
     )
 
 
-def again(ws: Workspace, state: State, first: Record, description: str, info: dict, kind: Kind) -> Planned:
+def again(ws: Workspace, state: State, first: Record, description: str, info: dict, kind: Kind) -> Prepared:
     """A run of an earlier candidate's edit again, on the best (the one it was made on: a pending candidate
     keeps the best where it is)."""
     kept = {k: v for k, v in first.info.items() if k not in ("queue_id", "usage", "infra_failures")}
     patch = (ws.paths.run_dir(first.n) / "diff.patch").read_text()
-    return Planned(
-        Prepared(base=state.best_commit, description=description, patch=patch, group=first.n, info={**kept, **info}),
-        kind,
+    return Prepared(
+        base=state.best_commit, description=description, patch=patch, group=first.n, info={**kept, **info}, kind=kind
     )
 
 
-def parent_run(state: State, why: str, label: str = "") -> Planned:
+def parent_run(state: State, why: str, label: str = "") -> Prepared:
     name = "baseline" if state.best_group == state.baseline_group else "parent"
-    return Planned(
-        Prepared(
-            base=state.best_commit,
-            description=label or f"{name} (repeat: {why})",
-            group=state.best_group,
-            info={"repeat": why},
-        ),
-        Kind.PARENT,
+    return Prepared(
+        base=state.best_commit,
+        description=label or f"{name} (repeat: {why})",
+        group=state.best_group,
+        info={"repeat": why},
+        kind=Kind.PARENT,
     )
 
 
-def refill(state: State, free: int, busy: int, age_s: float, budget: float, room: int | None) -> Planned | None:
+def refill(state: State, free: int, busy: int, age_s: float, budget: float, room: int | None) -> Prepared | None:
     """The run for a slot freed early (its run crashed at once) while `busy` others still train: a repeat of the
     best, which sharpens the noise estimate, if the generation is younger than REFILL_BEFORE of the budget and
     --max-experiments leaves `room` (None: no limit) for it; else None (the slot waits for the generation)."""
@@ -169,21 +148,23 @@ def refill(state: State, free: int, busy: int, age_s: float, budget: float, room
     return parent_run(state, "slot freed early")
 
 
-def plan(ws: Workspace, ideas: Ideas, state: State, slots: int) -> list[Planned]:
+def plan(ws: Workspace, ideas: Ideas, state: State, slots: int) -> list[Prepared]:
     """The runs of the next generation (at most `slots`); [] when the proposer has no more ideas."""
     s, best = ws.settings, state.best_commit
     if not state.best_group:
         first = "baseline" if state.done == 0 else "baseline (retry)"
         return [
-            Planned(
-                Prepared(base=best, description=first if i == 0 else f"baseline (slot {i + 1})", group=state.done + 1),
-                Kind.BASELINE,
+            Prepared(
+                base=best,
+                description=first if i == 0 else f"baseline (slot {i + 1})",
+                group=state.done + 1,
+                kind=Kind.BASELINE,
             )
             for i in range(slots)
         ]
     if state.pending is not None:
         pending = next(r for r in state.records if r.n == state.pending)
-        again_runs: list[Planned]
+        again_runs: list[Prepared]
         if pending.gate.selection:  # a best-of-k pick: confirm it on half the slots
             k = max(1, math.ceil(slots / 2))
             again_runs = [
@@ -219,7 +200,7 @@ def plan(ws: Workspace, ideas: Ideas, state: State, slots: int) -> list[Planned]
                 )
             ]
         return again_runs + [parent_run(state, "confirmation") for _ in range(slots - len(again_runs))]
-    runs: list[Planned] = []
+    runs: list[Prepared] = []
     wanted, base = 1 + s.baseline_repeats, state.baseline_group
     since = [r for r in state.records if r.n >= base and not r.gate.disturbed]
     have = sum(1 for r in since if group_of(r) == base)
@@ -227,11 +208,11 @@ def plan(ws: Workspace, ideas: Ideas, state: State, slots: int) -> list[Planned]
         count = slots if wanted - have >= slots else min(wanted - have, slots - 1)
         runs = [parent_run(state, "measuring σ", f"baseline (repeat {have + i + 1}/{wanted})") for i in range(count)]
         for i, run in enumerate(runs):
-            run.prepared.info = {"repeat": have + i + 1}
+            run.info = {"repeat": have + i + 1}
     device = state.records[-1].device if state.records else ""
     if not runs and device and not state.runs(state.best_group, device):  # e.g. resumed on another GPU model
         runs = [parent_run(state, f"no run of the best on {device} yet")]
     if len(runs) == slots:
         return runs
     fresh = ideas.take(best, state.records, slots - len(runs))
-    return runs + [Planned(p, Kind.CANDIDATE) for p in fresh] if fresh else []
+    return runs + fresh if fresh else []

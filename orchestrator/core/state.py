@@ -21,6 +21,16 @@ from ..store.session import Paths
 from .noise import Spread, reference_spread
 
 
+class Kind(str, Enum):
+    """Why a run is in a generation; the judge reads each kind its own way."""
+
+    BASELINE = "baseline"  # the starting train.py (its first runs measure the noise)
+    PARENT = "parent"  # the best again: sharpens its mean, measures sigma
+    CANDIDATE = "candidate"  # a new idea
+    RERUN = "rerun"  # a pending candidate again (inside the margin)
+    CONFIRM = "confirm"  # a best-of-k pick run again before it is kept
+
+
 class _Word(str, Enum):
     """An enum whose members are the words written to disk (and print as them)."""
 

@@ -27,9 +27,10 @@ from ..trust.evaluation import RESULT, audit_clock, compare_printed, evaluator_f
 from ..trust.guard import new_violations
 from ..trust.harness import evaluation_data
 from ..trust.summary import environment_error, last_error_line, parse_summary, read_tail, val_bpb_of
-from .plan import Ideas, Kind, Planned, as_running, refill
+from .pipeline import Prepared
+from .plan import Ideas, as_running, refill
 from .progress import Progress, format_eta, last_step
-from .state import Cause, Crash, Phase, State, counts, group_of
+from .state import Cause, Crash, Kind, Phase, State, counts, group_of
 
 if TYPE_CHECKING:
     from .workspace import Workspace
@@ -191,7 +192,7 @@ def start(
     ws: Workspace,
     executor: Executor,
     state: State,
-    planned: Planned,
+    prepared: Prepared,
     slot: Slot,
     n: int,
     proposer: str,
@@ -199,7 +200,6 @@ def start(
 ) -> None:
     """Stage the run in its slot's worktree and submit it, listed in `runs` before it starts (whatever stops
     the generation cancels it); a run whose idea may not run is done at once."""
-    prepared = planned.prepared
     record = Record(
         n=n,
         status="crash",
@@ -222,7 +222,7 @@ def start(
     # a detached worktree per slot: the branch itself only ever holds decided-kept commits
     wt = gitops.ensure_detached_worktree(ws.repo, ws.paths.slot(slot.index), prepared.base)
     gitops.checkout_clean(wt, prepared.base)
-    run = Run(record, planned.kind, slot, done=True)
+    run = Run(record, prepared.kind, slot, done=True)
     runs.append(run)
     run.crash = stage(ws, wt, record, prepared)
     if run.crash:
@@ -236,7 +236,7 @@ def run_generation(
     ws: Workspace,
     executor: Executor,
     state: State,
-    planned: list[Planned],
+    planned: list[Prepared],
     ideas: Ideas,
     progress: Progress,
     remaining: int | None,
