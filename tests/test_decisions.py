@@ -113,3 +113,36 @@ def test_refill(free, busy, age, room, wanted):
         assert planned.kind == Kind.PARENT and planned.base == "c1" and planned.group == 1
         assert planned.info == {"repeat": "slot freed early"}
     assert refill(replay([], "c0"), free, busy, age, BUDGET, room) is None  # no best yet: nothing to repeat
+
+
+def record(n: int, bpb: float, steps: int, group: int = 1, status: str = "discard") -> Record:
+    return Record(
+        n=n,
+        status=status,
+        description="baseline" if n == group else f"baseline (repeat {n})",
+        commit=f"c{n}",
+        val_bpb=bpb,
+        device="cpu",
+        group=group,
+        gate=Evidence("keep" if n == group else "repeat", runs=1),
+        metrics={"num_steps": steps, "training_seconds": 30.0},
+    )
+
+
+# (val_bpb, steps) of one configuration's runs in order -> the runs set aside as slowed from outside
+SLOWED = [
+    ([(2.77, 100), (2.17, 213), (2.17, 209)], {1}),  # a first run slowed (nothing to compare it with then)
+    ([(2.77, 100), (2.17, 213)], set()),  # one other run is not enough to tell which one was slowed
+    ([(2.17, 213), (2.77, 100), (2.18, 209)], {2}),
+    ([(2.17, 213), (2.20, 180), (2.18, 209)], set()),  # 0.85x: within a run's own variation
+    ([(2.77, 100), (2.17, 213), (2.80, 98), (2.17, 209), (2.16, 211)], {1, 3}),
+]
+
+
+@pytest.mark.parametrize("runs, aside", SLOWED)
+def test_a_slowed_run_leaves_the_mean_once_its_configuration_shows_its_speed(runs, aside):
+    records = [record(i + 1, bpb, steps, status="keep" if i == 0 else "discard") for i, (bpb, steps) in enumerate(runs)]
+    state = replay(records, "c0")
+    assert state.set_aside == aside
+    assert state.runs(1) == [bpb for i, (bpb, _) in enumerate(runs) if i + 1 not in aside]
+    assert state.best_group == 1 and state.best_run == 1  # the baseline stays the baseline

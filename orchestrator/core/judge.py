@@ -17,9 +17,7 @@ from dataclasses import dataclass, replace
 from ..store.ledger import Evidence, Record, Row
 from ..trust import redaction
 from .noise import Gate, Verdict, judge
-from .state import Decision, Kind, State, Status, counts, group_of
-
-DISTURBED = 0.7  # a run below this share of its twins' median throughput was slowed from outside
+from .state import DISTURBED, Decision, Kind, State, Status, group_of, throughput
 
 
 @dataclass
@@ -31,17 +29,6 @@ class Finished:
     disturbed: str = ""  # why its throughput says it was slowed from outside (set by decide)
 
 
-def throughput(record: Record, unit: str) -> float | None:
-    """Work per training second from the run's summary: optimizer steps (exact; comparable between runs of one
-    configuration) or tokens (comparable across configurations, but printed in 0.1 M steps: only used when that
-    rounding is under 1%)."""
-    m = record.metrics
-    work, seconds = m.get("num_steps" if unit == "steps" else "total_tokens_M"), m.get("training_seconds")
-    if not isinstance(work, (int, float)) or work <= 0 or unit == "tokens" and work < 10:
-        return None
-    return work / seconds if isinstance(seconds, (int, float)) and seconds > 0 else float(work)
-
-
 def disturbance(state: State, run: Finished) -> str:
     """Why this run looks slowed from outside (another process on the CPU, a shared or throttled GPU), or '':
     its throughput far below the median of its twins (counted runs of its configuration on its device), or, for
@@ -51,7 +38,7 @@ def disturbance(state: State, run: Finished) -> str:
     group = group_of(r)
     if any(x.gate.disturbed for x in state.records if group_of(x) == group):
         return ""
-    same = [x for x in state.records if counts(x) and x.device == r.device]
+    same = [x for x in state.records if state.counted(x) and x.device == r.device]
     twins, unit, whose = [x for x in same if group_of(x) == group], "steps", "its twins'"
     if not twins and run.kind == Kind.CANDIDATE:
         size = r.metrics.get("num_params_M")

@@ -95,6 +95,20 @@ def counts(record: Record) -> bool:
     )
 
 
+DISTURBED = 0.7  # a run below this share of its twins' median throughput was slowed from outside
+
+
+def throughput(record: Record, unit: str) -> float | None:
+    """Work per training second from the run's summary: optimizer steps (exact; comparable between runs of one
+    configuration) or tokens (comparable across configurations, but printed in 0.1 M steps: only used when that
+    rounding is under 1%)."""
+    m = record.metrics
+    work, seconds = m.get("num_steps" if unit == "steps" else "total_tokens_M"), m.get("training_seconds")
+    if not isinstance(work, (int, float)) or work <= 0 or unit == "tokens" and work < 10:
+        return None
+    return work / seconds if isinstance(seconds, (int, float)) and seconds > 0 else float(work)
+
+
 @dataclass
 class State:
     records: list[Record] = field(default_factory=list)
@@ -105,15 +119,24 @@ class State:
     baseline_group: int = 0  # the baseline's runs (1, unless a crashed baseline was run again)
     baseline_run: int = 0  # the run whose saved model stands for the baseline
     pending: int | None = None  # a candidate group to run again before it is decided
+    # counted runs found slowed from outside once later runs of their configuration showed its speed (a first
+    # run has no twins to be judged against when it is decided): their values leave the means
+    set_aside: set[int] = field(default_factory=set)
 
     @property
     def done(self) -> int:
         return len(self.records)
 
+    def counted(self, record: Record) -> bool:
+        """Does this run's value count (counts()), and was it not found slowed afterwards (set_aside)?"""
+        return counts(record) and record.n not in self.set_aside
+
     def runs(self, group: int, device: str | None = None) -> list[float]:
         """val_bpb of the counted runs of `group` (on `device` only, if given)."""
         return [
-            r.bpb for r in self.records if group_of(r) == group and counts(r) and (device is None or r.device == device)
+            r.bpb
+            for r in self.records
+            if group_of(r) == group and self.counted(r) and (device is None or r.device == device)
         ]
 
     @property
@@ -130,7 +153,7 @@ class State:
         """The counted runs of every (configuration, device type)."""
         groups: dict[tuple[int, str], list[float]] = {}
         for r in [*self.records, *extra]:
-            if counts(r):
+            if self.counted(r):
                 groups.setdefault((group_of(r), r.device), []).append(r.bpb)
         return groups
 
@@ -150,6 +173,7 @@ class State:
 
     def add(self, record: Record) -> None:
         self.records.append(record)
+        self._set_aside_slowed(group_of(record), record.device)
         group, decision = group_of(record), record.gate.decision or record.status
         if decision == Decision.KEEP:
             self.best_commit, self.best_group, self.best_run, self.pending = record.commit, group, record.n, None
@@ -159,6 +183,22 @@ class State:
             self.pending = group
         elif decision != Decision.CONFIRMING and self.pending == group:  # decided (or crashed on its own)
             self.pending = None
+
+    def _set_aside_slowed(self, group: int, device: str) -> None:
+        """Of the counted runs of one configuration on one device, those whose steps per second fall below
+        DISTURBED of the median of at least two others (a first run slowed by another process: nothing to
+        compare it with when it was judged)."""
+        speeds = {
+            r.n: s
+            for r in self.records
+            if group_of(r) == group and r.device == device and counts(r) and (s := throughput(r, "steps"))
+        }
+        for n, speed in speeds.items():
+            others = [v for m, v in speeds.items() if m != n]
+            if len(others) >= 2 and speed < DISTURBED * statistics.median(others):
+                self.set_aside.add(n)
+            else:
+                self.set_aside.discard(n)
 
 
 def replay(records: list[Record], start_commit: str) -> State:

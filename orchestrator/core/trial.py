@@ -30,7 +30,7 @@ from ..trust.summary import environment_error, last_error_line, parse_summary, r
 from .pipeline import Prepared
 from .plan import Ideas, as_running, refill
 from .progress import Progress, format_eta, last_step
-from .state import Cause, Crash, Kind, Phase, State, counts, group_of
+from .state import Cause, Crash, Kind, Phase, State, group_of
 
 if TYPE_CHECKING:
     from .workspace import Workspace
@@ -368,7 +368,7 @@ def learned_startup(state: State, budget: float) -> float | None:
     walls = [
         r.timings["train"]
         for r in state.records
-        if state.baseline_group and group_of(r) == state.baseline_group and counts(r) and "train" in r.timings
+        if state.baseline_group and group_of(r) == state.baseline_group and state.counted(r) and "train" in r.timings
     ]
     return max(0.0, max(walls) - budget) if walls else None
 
