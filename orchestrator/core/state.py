@@ -183,6 +183,11 @@ class State:
             self.pending = group
         elif decision != Decision.CONFIRMING and self.pending == group:  # decided (or crashed on its own)
             self.pending = None
+        if self.counted(record):  # a saved model found slowed no longer stands for its configuration: this one
+            if group == self.baseline_group and self.baseline_run in self.set_aside:
+                self.baseline_run = record.n
+            if group == self.best_group and self.best_run in self.set_aside:
+                self.best_run = record.n
 
     def _set_aside_slowed(self, group: int, device: str) -> None:
         """Of the counted runs of one configuration on one device, those whose steps per second fall below

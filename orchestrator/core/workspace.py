@@ -297,9 +297,9 @@ class Workspace:
         redaction.record(record)  # what the run said (its crash, its summary) without a secret of ours
         write_record(self.paths.run_dir(record.n), record)
         append_row(self.paths.ledger, row_of(record))
-        previous_best = state.best_run
+        previous = {state.best_run, state.baseline_run}
         state.add(record)
-        for n in {record.n, previous_best} - {state.baseline_run, state.best_run}:
+        for n in {record.n, *previous} - {state.baseline_run, state.best_run}:
             if n:
                 (self.paths.run_dir(n) / "model.pt").unlink(missing_ok=True)
         if "queue_id" in record.info:
