@@ -101,8 +101,6 @@ class LocalExecutor(Executor):
         click.Option(
             ["--gpus"],
             callback=check_gpus,
-            envvar="AUTOLOOP_GPUS",
-            show_envvar=True,
             help="GPU ids for the local executor, e.g. 0,1,2,3; '' for CPU slots.  [default: detected]",
         ),
     )

@@ -237,15 +237,11 @@ class RayExecutor(Executor):
     options = (
         click.Option(
             ["--ray-address"],
-            envvar="AUTOLOOP_RAY_ADDRESS",
-            show_envvar=True,
             help="Ray cluster to join, e.g. ray://head:10001 or auto.  [default: RAY_ADDRESS, else a local Ray]",
         ),
         click.Option(
             ["--ray-schedule-timeout"],
             type=click.FloatRange(min=0),
-            envvar="AUTOLOOP_RAY_SCHEDULE_TIMEOUT",
-            show_envvar=True,
             help="Seconds a Ray task may wait for a node with a free GPU before it is cancelled and "
             "run again (an executor failure); 0: wait forever.  "
             f"[default: {SCHEDULE_TIMEOUT_S:g}]",

@@ -210,22 +210,16 @@ class AgentProposer(Proposer):
         click.Option(
             ["--agent"],
             type=click.Choice(sorted(PRESETS)),
-            envvar="AUTOLOOP_AGENT",
-            show_envvar=True,
             help="Coding-agent preset for --proposer agent.  [default: claude]",
         ),
         click.Option(
             ["--agent-cmd"],
-            envvar="AUTOLOOP_AGENT_CMD",
-            show_envvar=True,
             help="Any agent command instead of a preset; placeholders (whole arguments only) {prompt}, "
             "{prompt_file}, {workdir}, {description_file}.",
         ),
         click.Option(
             ["--agent-timeout"],
             type=click.FloatRange(min=0, min_open=True),
-            envvar="AUTOLOOP_AGENT_TIMEOUT",
-            show_envvar=True,
             help="Seconds an agent may take for one idea.  [default: 900]",
         ),
     )

@@ -106,38 +106,26 @@ class LLMProposer(Proposer):
         *PROMPT_OPTIONS,
         click.Option(
             ["--llm-base-url"],
-            envvar="AUTOLOOP_LLM_BASE_URL",
-            show_envvar=True,
             help="OpenAI-compatible endpoint for --proposer llm.  [default: https://api.openai.com/v1]",
         ),
-        click.Option(
-            ["--llm-model"], envvar="AUTOLOOP_LLM_MODEL", show_envvar=True, help="Model name for --proposer llm."
-        ),
+        click.Option(["--llm-model"], help="Model name for --proposer llm."),
         click.Option(
             ["--llm-api-key-env"],
-            envvar="AUTOLOOP_LLM_API_KEY_ENV",
-            show_envvar=True,
             help="Environment variable holding the API key.  [default: OPENAI_API_KEY; optional for localhost]",
         ),
         click.Option(
             ["--llm-timeout"],
             type=click.FloatRange(min=0, min_open=True),
-            envvar="AUTOLOOP_LLM_TIMEOUT",
-            show_envvar=True,
             help="Seconds per LLM request.  [default: 600]",
         ),
         click.Option(
             ["--llm-price-in"],
             type=click.FloatRange(min=0),
-            envvar="AUTOLOOP_LLM_PRICE_IN",
-            show_envvar=True,
             help="Dollars per million prompt tokens (for cost tracking and --max-cost).",
         ),
         click.Option(
             ["--llm-price-out"],
             type=click.FloatRange(min=0),
-            envvar="AUTOLOOP_LLM_PRICE_OUT",
-            show_envvar=True,
             help="Dollars per million completion tokens.",
         ),
     )

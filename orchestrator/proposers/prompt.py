@@ -17,15 +17,11 @@ DEFAULT_PROMPT_CHARS = 48_000  # ~12k tokens: fits any model's context with room
 PROMPT_OPTIONS = (
     click.Option(
         ["--program"],
-        envvar="AUTOLOOP_PROGRAM",
-        show_envvar=True,
         help="The research brief handed to LLM proposers.  [default: program.md in the repo]",
     ),
     click.Option(
         ["--prompt-chars"],
         type=click.IntRange(min=2000),
-        envvar="AUTOLOOP_PROMPT_CHARS",
-        show_envvar=True,
         help="Upper bound on the prompt's size in characters.  [default: 48000]",
     ),
 )
