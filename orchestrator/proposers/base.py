@@ -57,7 +57,8 @@ class Proposer:
 
     name = "proposer"
     pipeline = False  # slow proposers (LLMs, agents) set True: the next idea is prepared while one trains
-    options: tuple = ()  # click.Option objects `autoloop run` offers for it; their values are context.options
+    options: tuple = ()  # click.Option objects `autoloop run` offers for it (each gets its AUTOLOOP_<NAME> twin:
+    #                      options.with_env_twin); their values are context.options
 
     def __init__(self, context: Context):
         self.context = context
