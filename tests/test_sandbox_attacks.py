@@ -156,6 +156,19 @@ def user(request, monkeypatch):
         pytest.skip(why)
     real = base.sandboxed
     monkeypatch.setattr(base, "sandboxed", lambda *a, **k: [*SETPRIV, *real(*a, **k)])
+    # an unprivileged controller's own Python (its venv, its packages) is one it can reach; ours (root's, e.g. a
+    # venv under a 0700 directory such as `mktemp -d` makes) may not be, and bwrap run as uid 65534 could not
+    # bind it back: the step runs nobody's Python (nobodys_python), so only what that user can reach is bound
+    reaches: dict[str, bool] = {}
+
+    def reachable(env: dict[str, str]) -> list[str]:
+        for path in (paths := real_readable(env)):
+            if path not in reaches:
+                reaches[path] = subprocess.run([*SETPRIV, "test", "-e", path], capture_output=True).returncode == 0
+        return [path for path in paths if reaches[path]]
+
+    real_readable = base.readable_paths
+    monkeypatch.setattr(base, "readable_paths", reachable)
     monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)  # ours: another user's bwrap could not even reach it
     return "nobody"
 
@@ -589,7 +602,7 @@ def bare_run(box: Box, code: str, timeout: float) -> bool:
         [box.python, str(box.work / "step.py")],
         [str(box.work), str(box.out)],
         False,
-        readable=[str(box.base), *confine.readable_paths({})],
+        readable=[str(box.base), *base.readable_paths({})],  # (as run_steps reads them)
         devices=[],
     )
     try:
