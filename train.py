@@ -17,6 +17,7 @@ import resource
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 if __name__ == "__main__" and "PYTORCH_ALLOC_CONF" not in os.environ:
@@ -499,6 +500,11 @@ def main():
         torch.backends.cudnn.allow_tf32 = True
 
     tokenizer = Tokenizer.from_directory()
+    device_batch = max(1, min(DEVICE_BATCH_SIZE, TOTAL_BATCH_SIZE // MAX_SEQ_LEN))
+    grad_accum = max(1, round(TOTAL_BATCH_SIZE / (device_batch * MAX_SEQ_LEN)))
+    tokens_per_step = grad_accum * device_batch * MAX_SEQ_LEN  # TOTAL_BATCH_SIZE, rounded to whole micro-batches
+    train_loader = make_dataloader(tokenizer, device_batch, MAX_SEQ_LEN, "train", device=device)
+    first_batch = ThreadPoolExecutor(1).submit(next, train_loader)  # packed while the model is built
     model_dim = math.ceil(DEPTH * ASPECT_RATIO / HEAD_DIM) * HEAD_DIM
     pattern = WINDOW_PATTERN if WINDOW_PATTERN != "auto" else ("SSSL" if fa3 is not None else "L")
     config = GPTConfig(sequence_len=MAX_SEQ_LEN, vocab_size=tokenizer.get_vocab_size(), n_layer=DEPTH,
@@ -511,11 +517,7 @@ def main():
     optimizers = make_optimizers(model, dtype)
     step_model = torch.compile(model, dynamic=False) if compile_model else model
 
-    device_batch = max(1, min(DEVICE_BATCH_SIZE, TOTAL_BATCH_SIZE // MAX_SEQ_LEN))
-    grad_accum = max(1, round(TOTAL_BATCH_SIZE / (device_batch * MAX_SEQ_LEN)))
-    tokens_per_step = grad_accum * device_batch * MAX_SEQ_LEN  # TOTAL_BATCH_SIZE, rounded to whole micro-batches
-    train_loader = make_dataloader(tokenizer, device_batch, MAX_SEQ_LEN, "train", device=device)
-    x, y, epoch = next(train_loader)
+    x, y, epoch = first_batch.result()
     peak, peak_source = peak_flops(device, dtype)
     print(f"device: {device} | dtype: {str(dtype).removeprefix('torch.')} | attention: {'fa3' if fa3 else 'sdpa'} "
           f"| compile: {compile_model} | profile: {PROFILE} | peak: {peak / 1e12:.2f} TFLOP/s ({peak_source})")

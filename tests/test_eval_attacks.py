@@ -148,6 +148,26 @@ for name in ("json.py", "math.py", "torch.py", "sitecustomize.py"):  # shadows f
             None,
         ),
         (
+            "starts the evaluation early and rewrites the harness while it gets ready",
+            HONEST.replace(
+                "torch.manual_seed(0)\n",
+                """import prepare as _prepare
+_original = open("prepare.py").read()
+print(getattr(_prepare, "EXPORT_LINE", "export"), flush=True)  # the sandboxed controller starts the evaluation
+try:
+    open("prepare.py", "w").write(_original.replace("value = nats / (math.log(2) * nbytes)", "value = 0.1"))
+except OSError:
+    pass
+time.sleep(3)  # while the evaluation reads its code
+torch.manual_seed(0)
+""",
+            ).replace(
+                "# (after evaluate_bpb)\n",
+                "try:\n    open('prepare.py', 'w').write(_original)\nexcept OSError:\n    pass\n",
+            ),
+            None,
+        ),
+        (
             "archive: code in guards",
             after_export(
                 REWRITE

@@ -280,3 +280,48 @@ def test_a_secret_raised_in_any_encoding_reaches_no_row_record_or_prompt(fake_re
     prompt = build_prompt("Brief.", fakes.ok(1.0), history, paths, "Propose one change.")
     assert "The last experiment crashed" in prompt and "End of its log" in prompt and "shifted" in prompt
     assert leaks(prompt) == []
+
+
+def test_unconfined_the_evaluation_never_starts_before_training_has_ended(tmp_path):
+    """The evaluation may start early only in the sandbox, where the training step cannot see it. Unconfined, a
+    train.py could reach its process (signal it, read its memory as the same user), so it starts as ever: after
+    the training step and every process of it have ended, whatever train.py prints."""
+    from orchestrator.executors.base import Job, run_steps
+
+    work, out = tmp_path / "work", tmp_path / "out"
+    work.mkdir()
+    training = "import time\nprint('training is over', flush=True)\ntime.sleep(1.0)\nprint('ENDED', time.time())\n"
+    evaluation = "import sys, time\nprint('STARTED', time.time(), sys.stdin.readline().strip())\n"
+    (work / "train.py").write_text(training)
+    (work / "evaluate.py").write_text(evaluation)
+    job = Job(
+        steps=[[sys.executable, "train.py"], [sys.executable, "evaluate.py"]],
+        logs=["run.log", "eval.log"],
+        env={"PATH": os.environ["PATH"]},
+        timeout_s=60,
+        workdir=work,
+        out_dir=out,
+        step_stdin=[None, "go\n"],
+        step_start_after=[None, "training is over"],
+    )
+    result = run_steps(job, work, out, {})
+    assert [s.exit_code for s in result.steps] == [0, 0]
+    ended = float((out / "run.log").read_text().split("ENDED ")[1].split()[0])
+    started, told = (out / "eval.log").read_text().split("STARTED ")[1].split()[:2]
+    assert float(started) > ended and told == "go"
+
+
+@pytest.mark.parametrize("chunks", [["training is over\n"], ["step 1\ntrain", "ing is ov", "er\r\nmore"]])
+def test_the_line_that_starts_a_step_early_is_found_however_the_output_is_cut(chunks):
+    from orchestrator.executors.runner import LineWatch
+
+    seen: list[int] = []
+    watch = LineWatch("training is over", lambda: seen.append(1))
+    for chunk in chunks:
+        watch(chunk.encode())
+    assert seen == [1]
+    watch(b"training is over\n")
+    assert seen == [1]  # once
+    other = LineWatch("training is over", lambda: seen.append(2))
+    other(b"print('training is over')\nsaid: training is over\ntraining is over, almost")
+    assert seen == [1]  # only as a line of its own

@@ -531,6 +531,34 @@ def test_resume_ends_a_killed_runs_worker_whose_parent_is_gone(tmp_path):
     assert not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE
 
 
+def test_a_slot_keeps_both_processes_while_its_evaluation_starts_early(tmp_path):
+    """Sandboxed, the evaluation starts while train.py exports: status.json must name both (a controller killed
+    then leaves both to the resume), and both are the slot's until its run is over."""
+    import psutil
+
+    from orchestrator.core.processes import Processes
+
+    paths = Paths(tmp_path, "p")
+    paths.state.mkdir(parents=True)
+    processes = Processes(paths)
+    training, evaluation = (subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in "ab")
+    try:
+        for proc in (training, evaluation):
+            processes.started(0, proc.pid, psutil.Process(proc.pid).create_time())
+        pids = json.loads(paths.status.read_text())["train_pids"]
+        assert sorted(pid for pid, _ in pids.values()) == sorted([training.pid, evaluation.pid])
+        processes.kill_all()
+        assert training.wait(timeout=10) is not None and evaluation.wait(timeout=10) is not None
+        processes.started(0, training.pid, 0.0)  # one that has ended: the next step takes its place
+        processes.started(0, evaluation.pid, 0.0)
+        assert list(processes.pids) == ["0"]
+        processes.ended(0)
+        assert processes.pids == {}
+    finally:
+        training.kill()
+        evaluation.kill()
+
+
 def test_ctrl_c_during_a_git_command_exits_at_once(fake_repo):
     """Found by a stop test under load: Ctrl-C in the middle of a git command left gitpython's deadline timer
     running (it never cancels it), and the exiting controller waited for it: 120 s."""

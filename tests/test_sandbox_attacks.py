@@ -102,6 +102,9 @@ class Box:
         read_only: tuple[str, ...] = (),
         timeout: float = 60.0,
         net: bool = False,
+        stdin: list[str | None] | None = None,
+        start_after: list[str | None] | None = None,
+        watch: tuple[str, ...] = (),
     ) -> tuple[JobResult, list[str]]:
         """Run each code as a step (attack_<i>.py in the worktree) in the sandbox; the result and each step's log."""
         codes = [code] if isinstance(code, str) else code
@@ -119,6 +122,9 @@ class Box:
             step_hidden=hidden or [],
             readable=(str(self.base), *readable),
             read_only=read_only,
+            step_stdin=stdin or [],
+            step_start_after=start_after or [],
+            watch=watch,
         )
         result = run_steps(job, self.work, self.out, {"CUDA_VISIBLE_DEVICES": ""})
         return result, [s.log.read_text() for s in result.steps]
@@ -647,6 +653,83 @@ def test_nothing_outlives_the_step(box, then, via):
     finally:
         for proc in survivors(marker):
             proc.kill()
+
+
+# ---------------------------------------------------------------------------
+# The evaluation started early: it gets ready while the training step exports, out of that step's reach
+# ---------------------------------------------------------------------------
+
+READY_LINE = "training is over"
+EARLY_EVALUATION = """
+import os, sys, time
+open("{out}/evaluation-started", "w").write(repr(time.time()))
+nonce = sys.stdin.readline().strip()  # its go: written once the training step has ended and passed its checks
+print("TOLD", repr(nonce), repr(time.time()), flush=True)
+"""
+
+
+@needs_bwrap
+def test_an_evaluation_started_early_is_out_of_the_training_steps_reach(box):
+    """The evaluation step starts when the training step prints READY_LINE (the export begins), so its imports
+    overlap the export. The training step, still running, cannot see it, touch the harness's code (read-only:
+    the evaluation may still be reading it), or read its go; the go comes only after the training step ended."""
+    evaluation = EARLY_EVALUATION.format(out=box.out)
+    training = f"""
+print({READY_LINE!r}, flush=True)
+deadline = time.time() + 30
+while not os.path.exists("{box.out}/evaluation-started") and time.time() < deadline:
+    time.sleep(0.02)
+attempt("the evaluation started while training ran", lambda: need(os.path.exists("{box.out}/evaluation-started")))
+attempt("see the evaluation", lambda: need([p for p in os.listdir("/proc") if p.isdigit()
+                                            and b"attack_1.py" in open(f"/proc/{{p}}/cmdline", "rb").read().split(b"\\0")]))
+attempt("change the harness", lambda: open("attack_1.py", "a").write("\\nprint('forged')\\n"))
+open("forged.py", "w").write("print('forged')\\n")
+attempt("replace the harness", lambda: os.replace("forged.py", "attack_1.py"))
+attempt("remove the harness", lambda: os.unlink("attack_1.py"))
+time.sleep(0.3)
+print("ENDED", repr(time.time()), flush=True)
+"""
+    harness = box.work / "attack_1.py"
+    result, logs = box.run(
+        [training, evaluation],
+        stdin=[None, "nonce-1234\n"],
+        start_after=[None, READY_LINE],
+        read_only=("attack_1.py",),
+    )
+    assert [s.exit_code for s in result.steps] == [0, 0], logs
+    attack = outcome(logs[0])
+    assert len(attack["tried"]) == 5, attack
+    assert list(attack["got"]) == ["the evaluation started while training ran"], attack  # and nothing else
+    assert "TOLD 'nonce-1234'" in logs[1] and "forged" not in logs[1], logs[1]
+    ended = float(logs[0].split("ENDED ")[1].split()[0])
+    told = float(logs[1].split("TOLD 'nonce-1234' ")[1].split()[0])
+    assert told > ended, (told, ended)  # the go came after the training step's end
+    assert "forged" not in harness.read_text()
+
+
+@needs_bwrap
+@pytest.mark.parametrize("ending", ["fails", "changes a watched file"])
+def test_an_evaluation_started_early_is_called_off_when_training_fails(box, ending):
+    """A training step that prints READY_LINE and then fails (or changes what it may not): the evaluation that
+    started gets no go (its stdin closes empty), is not part of the result, and nothing of it lives on."""
+    evaluation = EARLY_EVALUATION.format(out=box.out)
+    end = "sys.exit(1)" if ending == "fails" else 'open("train.py", "a").write("# changed\\n")'
+    training = f"""
+print({READY_LINE!r}, flush=True)
+deadline = time.time() + 30
+while not os.path.exists("{box.out}/evaluation-started") and time.time() < deadline:
+    time.sleep(0.02)
+{end}
+"""
+    result, logs = box.run(
+        [training, evaluation], stdin=[None, "nonce\n"], start_after=[None, READY_LINE], watch=("train.py",)
+    )
+    assert (box.out / "evaluation-started").exists(), logs  # it did start early
+    assert len(result.steps) == 1, result
+    assert (result.steps[0].exit_code == 1) if ending == "fails" else (result.modified == ["train.py"]), result
+    told = (box.out / "step1.log").read_text()
+    assert "nonce" not in told, told  # stdin closed with nothing written (it may be gone before it says so)
+    assert survivors("attack_1.py") == []
 
 
 # ---------------------------------------------------------------------------

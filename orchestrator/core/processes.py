@@ -22,13 +22,17 @@ class Processes:
 
     def started(self, slot: int | str, pid: int, created: float) -> None:
         with self._lock:
-            self.pids[str(slot)] = [pid, created]
+            key = str(slot)
+            if key in self.pids and _alive(*self.pids[key]):  # a step that starts while the one before ends
+                key += "+"  # (the evaluation, sandboxed): both are the slot's until the run is over
+            self.pids[key] = [pid, created]
             write_status(self.paths, train_pid=pid, train_started=created, train_pids=dict(self.pids))
 
     def ended(self, slot: int | str, **status) -> None:
         """The slot's run is over (recorded); `status` goes to status.json with it."""
         with self._lock:
             self.pids.pop(str(slot), None)
+            self.pids.pop(f"{slot}+", None)
             write_status(self.paths, train_pid=None, train_pids=dict(self.pids), **status)
 
     def kill_all(self) -> None:
@@ -36,6 +40,14 @@ class Processes:
         with self._lock:
             running, self.pids = dict(self.pids), {}
         kill_orphan({"train_pids": running})
+
+
+def _alive(pid: float, created: float) -> bool:
+    try:
+        proc = psutil.Process(int(pid))
+        return proc.status() != psutil.STATUS_ZOMBIE and abs(proc.create_time() - created) < 2.0
+    except psutil.Error:
+        return False
 
 
 def kill_orphan(status: dict) -> None:

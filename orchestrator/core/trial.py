@@ -123,6 +123,7 @@ def build_job(ws: Workspace, workdir: Path, run_dir: Path) -> Job:
         env.setdefault("AUTOLOOP_CACHE", ws.harness_info.cache)
         env.setdefault("PYTHONUSERBASE", site.getuserbase())
     stdin: list[str | None] = [None]
+    start_after: list[str | None] = [None]
     if ws.harness_info.artifacts:
         env["AUTOLOOP_EVAL_ARTIFACT"] = f"{OUT}/model.pt"
         steps.append(
@@ -140,6 +141,8 @@ def build_job(ws: Workspace, workdir: Path, run_dir: Path) -> Job:
         logs.append("eval.log")
         step_env.append({"AUTOLOOP_EVAL_ARTIFACT": None})
         stdin.append(secrets.token_hex(16) + "\n")  # the result counts only with this run's nonce
+        # sandboxed, the evaluation gets ready while train.py exports the model; the nonce is its go
+        start_after.append(ws.harness_info.export_line if ws.harness_info.result_file else None)
     watch = tuple(name for name in gitops.Repo(workdir).git.ls_files("-z").split("\0") if name)
     return Job(
         steps=steps,
@@ -152,7 +155,9 @@ def build_job(ws: Workspace, workdir: Path, run_dir: Path) -> Job:
         step_env=step_env,
         log_cap=int(ws.settings.max_log_mb * (1 << 20)),
         step_stdin=stdin,
+        step_start_after=start_after,
         sandbox=ws.sandbox,
+        read_only=("prepare.py",),  # the harness's code: the evaluation may start while train.py still runs
         local_only=local_only,
         step_hidden=[evaluation_data(ws.harness_info.manifest) + corpus_source(ws)],
     )  # what it is scored on

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from ..trust.confine import gpu_devices, readable_paths, sandbox_problem, sandboxed
 from .gpu import smi
-from .runner import LOG_CAP_BYTES, run_command
+from .runner import LOG_CAP_BYTES, LineWatch, RunResult, run_command
 
 OUT = "{out}"  # in a step's arguments and environment: the directory the steps write logs and outputs to
 PYTHON = "{python}"  # the Python interpreter of the machine the step runs on
@@ -47,10 +47,15 @@ class Job:
     step_stdin: list[str | None] = field(default_factory=list)  # per step: what it reads on stdin (None: nothing)
     sandbox: dict | None = None  # {"net": bool, "required": bool}: steps confined by bubblewrap (confine.py)
     local_only: tuple[str, ...] = ()  # env values true of this machine only (another node resolves its own)
+    # Per step: a line the step before prints after which this one may start (sandboxed only, where the two
+    # cannot reach each other): it gets ready (imports, data) and waits for its stdin, which it gets once the
+    # step before has ended and passed its checks. The evaluation's start-up then overlaps the model's export.
+    step_start_after: list[str | None] = field(default_factory=list)
     # In the sandbox ({out} substituted): per step, files and directories it may not read at all (the training
     # step: the validation and held-out data), which it sees empty; paths within the writable ones that stay
-    # read-only (the worktree's .git is, always); paths it reads that may lie under /tmp or /run, which the
-    # sandbox empties (our Python, AUTOLOOP_CACHE and PYTHONPATH are added by run_steps).
+    # read-only (relative ones: in the worktree, whose .git is read-only always); paths it reads that may lie
+    # under /tmp or /run, which the sandbox empties (our Python, AUTOLOOP_CACHE and PYTHONPATH are added by
+    # run_steps).
     step_hidden: list[tuple[str, ...]] = field(default_factory=list)
     read_only: tuple[str, ...] = ()
     readable: tuple[str, ...] = ()
@@ -192,21 +197,22 @@ def run_steps(
             confined = {
                 "writable": [str(p) for p in writable],
                 "net": bool(job.sandbox.get("net")),
-                "read_only": [*substitute_all(job.read_only, out), *git_link(Path(workdir))],
+                "read_only": [
+                    *(str(Path(workdir).resolve() / p) for p in substitute_all(job.read_only, out)),
+                    *git_link(Path(workdir)),
+                ],
             }
     result = JobResult(device=gpu_name(env.get("CUDA_VISIBLE_DEVICES")), node=socket.gethostname())
     before = {name: sha256_of(workdir / name) for name in job.watch}
-    first_start = None
-    for i, (cmd, log) in enumerate(zip(job.steps, job.logs)):
-        started = time.time()
-        first_start = first_start or started
+
+    def step(i: int, **extra) -> RunResult:
         step_env = dict(env)
         for key, value in (job.step_env[i] if i < len(job.step_env) else {}).items():
             if value is None:
                 step_env.pop(key, None)
             else:
                 step_env[key] = substitute(value, out, sys.executable)
-        argv = [substitute(a, out, sys.executable) for a in cmd]
+        argv = [substitute(a, out, sys.executable) for a in job.steps[i]]
         if confined is not None:
             hidden = job.step_hidden[i] if i < len(job.step_hidden) else ()
             argv = sandboxed(
@@ -216,30 +222,106 @@ def run_steps(
                 readable=[*readable_paths(step_env), *substitute_all(job.readable, out)],
                 devices=gpu_devices(step_env.get("CUDA_VISIBLE_DEVICES")),
             )
-        run = run_command(
+        return run_command(
             argv,
             workdir,
             step_env,
-            out / log,
+            out / job.logs[i],
             job.timeout_s,
             on_start=job.on_start,
-            cancel=cancel,
             log_cap=job.log_cap,
             stdin_text=job.step_stdin[i] if i < len(job.step_stdin) else None,
+            **extra,
         )
-        result.steps.append(StepResult(run.exit_code, run.timed_out, run.wall_s, out / log))
-        if run.interrupted:
-            result.interrupted = True
-            break
-        result.modified = [name for name, digest in before.items() if sha256_of(workdir / name) != digest]
-        if run.timed_out or run.exit_code != 0 or result.modified:
-            break
+
+    first_start = time.time()
+    early: _Early | None = None  # the next step, started already (sandboxed: each step has its own namespaces)
+    try:
+        for i in range(len(job.steps)):
+            if early is not None:  # the step before has ended and passed its checks: this one may go on
+                run, early = early.result(), None
+            else:
+                watch = None
+                if confined is not None and (line := _early_start(job, i + 1)):
+                    early = _Early(lambda gate, stop, n=i + 1: step(n, stdin_gate=gate, cancel=stop), cancel)
+                    watch = LineWatch(line, early.start)
+                run = step(i, cancel=cancel, on_output=watch)
+            result.steps.append(StepResult(run.exit_code, run.timed_out, run.wall_s, out / job.logs[i]))
+            if run.interrupted:
+                result.interrupted = True
+                break
+            result.modified = [name for name, digest in before.items() if sha256_of(workdir / name) != digest]
+            if run.timed_out or run.exit_code != 0 or result.modified:
+                break
+    finally:
+        if early is not None:  # never told to go (a failed step, a Ctrl-C): it ends unevaluated
+            early.call_off()
     for path in out.iterdir():
-        if path.is_file() and first_start is not None:
+        if path.is_file():
             result.ages[path.name] = path.stat().st_mtime - first_start
     for name in ("home", "tmp"):  # the run's own HOME and TMPDIR: scratch
         shutil.rmtree(out / name, ignore_errors=True)
     return result
+
+
+def _early_start(job: Job, i: int) -> str:
+    """The line after which step i may start while the step before still runs ('' for none). Only a step that
+    reads stdin can wait for it (its stdin is written once the step before has ended and passed its checks)."""
+    if i >= len(job.steps) or i >= len(job.step_start_after) or i >= len(job.step_stdin):
+        return ""
+    return job.step_start_after[i] or "" if job.step_stdin[i] is not None else ""
+
+
+class _Either:
+    """Set when either of two events is (run_command only asks is_set)."""
+
+    def __init__(self, a: threading.Event, b: threading.Event | None):
+        self.a, self.b = a, b
+
+    def is_set(self) -> bool:
+        return self.a.is_set() or (self.b is not None and self.b.is_set())
+
+
+class _Early:
+    """A step started before the one it follows has ended (in a thread of its own), held at its stdin."""
+
+    def __init__(self, run: Callable[..., RunResult], cancel: threading.Event | None):
+        self.run = run
+        self.gate, self.stop = threading.Event(), threading.Event()
+        self.cancel = _Either(self.stop, cancel)
+        self.thread: threading.Thread | None = None
+        self.outcome: RunResult | BaseException | None = None
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        def target() -> None:
+            try:
+                self.outcome = self.run(self.gate, self.cancel)
+            except BaseException as e:  # noqa: BLE001 - handed to the thread that waits for it
+                self.outcome = e
+
+        with self._lock:
+            if self.thread is None and not self.stop.is_set():
+                self.thread = threading.Thread(target=target, daemon=True, name="early step")
+                self.thread.start()
+
+    def result(self) -> RunResult:
+        """The step's result, once it has run to its end (started now if the line never came)."""
+        self.gate.set()
+        self.start()
+        assert self.thread is not None
+        self.thread.join()
+        if isinstance(self.outcome, BaseException):
+            raise self.outcome
+        assert self.outcome is not None
+        return self.outcome
+
+    def call_off(self) -> None:
+        """The step before failed or was stopped: this one never gets its stdin, and its processes end."""
+        with self._lock:
+            self.stop.set()
+        if self.thread is not None:
+            self.thread.join()
 
 
 def wait_any(handles: list[Handle], poll_s: float = 0.5, until: float | None = None) -> list[Handle]:

@@ -118,6 +118,8 @@ def _node_job(spec: dict, files: dict[str, bytes], inputs: dict[str, bytes], sta
             step_stdin=spec["step_stdin"],
             sandbox=spec["sandbox"],
             step_hidden=step_hidden,
+            step_start_after=spec.get("step_start_after") or [],
+            read_only=tuple(spec.get("read_only") or ()),
         )
         result = run_steps(job, src, out, {})
         return {
@@ -336,6 +338,8 @@ class RayExecutor(Executor):
             "step_stdin": job.step_stdin,
             "sandbox": job.sandbox,
             "step_hidden": [list(hidden) for hidden in job.step_hidden],
+            "step_start_after": job.step_start_after,
+            "read_only": list(job.read_only),
         }
         inputs = {name: Path(path).read_bytes() for name, path in job.inputs.items()}
         options = {"num_gpus": self.gpus_per_task, "num_cpus": self.cpus_per_task}

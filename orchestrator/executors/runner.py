@@ -30,6 +30,7 @@ REAP_S = 10.0  # after SIGKILL: how long to wait for the exit before reporting t
 LOG_CAP_BYTES = 64 << 20  # a run's log keeps its first and last half of this much (a print in the step loop
 #                           could otherwise fill the disk)
 FLUSH_S = 0.5  # how often a capped log's tail is written out while the run goes on
+GATE_TICK_S = 0.02  # how often a command started early checks whether it may have its stdin
 
 
 class CappedLog:
@@ -79,7 +80,25 @@ class CappedLog:
         self.f.close()
 
 
-def _pump(fd: int, log: CappedLog) -> None:
+class LineWatch:
+    """Calls `then` once, the first time `line` is printed as a line of its own (fed the output in any chunks)."""
+
+    def __init__(self, line: str, then: Callable[[], None]):
+        self.line, self.then = line.encode(), then
+        self.pending = b""  # the output since the last newline
+        self.seen = False
+
+    def __call__(self, data: bytes) -> None:
+        if self.seen:
+            return
+        *lines, self.pending = (self.pending + data).split(b"\n")
+        self.pending = self.pending[-len(self.line) - 1 :]  # a longer line cannot be it
+        if any(ln.rstrip(b"\r") == self.line for ln in lines):
+            self.seen = True
+            self.then()
+
+
+def _pump(fd: int, log: CappedLog, on_output: Callable[[bytes], None] | None = None) -> None:
     """Copy the process's output into its log until every writer has closed the pipe."""
     poller = select.poll()  # not select(): a descriptor above 1024 is fine
     poller.register(fd, select.POLLIN | select.POLLHUP)
@@ -90,6 +109,8 @@ def _pump(fd: int, log: CappedLog) -> None:
                 if not data:
                     break
                 log.write(data)
+                if on_output is not None:
+                    on_output(data)
             elif log.tail is not None:
                 log.flush()
     finally:
@@ -144,6 +165,14 @@ def kill_tree(pid: int, pgid: int, grace_s: float = KILL_GRACE_S) -> dict[int, i
                 pass
             return codes
     return codes
+
+
+def _write_stdin(proc: subprocess.Popen, text: str | None) -> None:
+    try:
+        proc.stdin.write((text or "").encode())
+        proc.stdin.close()
+    except OSError:
+        pass
 
 
 def _reap(proc: subprocess.Popen) -> None:
@@ -266,12 +295,17 @@ def run_command(
     cancel: threading.Event | None = None,
     log_cap: int = LOG_CAP_BYTES,
     stdin_text: str | None = None,
+    on_output: Callable[[bytes], None] | None = None,
+    stdin_gate: threading.Event | None = None,
 ) -> RunResult:
     """Run cmd with stdout+stderr to log_path (capped: CappedLog) in a new session, under the reaper; never
     raises for the command's failures. The pid on_start gets is the reaper's (its tree is the run's).
 
     On timeout or KeyboardInterrupt the whole tree is killed (SIGTERM, grace, SIGKILL); after a normal
     exit the reaper ends whatever the command left (its group is killed too), so nothing outlives an experiment.
+    on_output sees the output as it comes. With stdin_gate, stdin_text is written only once the gate opens, and
+    the timeout counts from then (the command may get ready before it is told to go); a cancel before that
+    closes stdin unwritten.
     """
     log_path.parent.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
@@ -292,22 +326,26 @@ def run_command(
     finally:
         os.close(write_end)
     pump = threading.Thread(
-        target=_pump, args=(read_end, CappedLog(log_path, log_cap)), daemon=True, name=f"log {log_path.name}"
+        target=_pump,
+        args=(read_end, CappedLog(log_path, log_cap), on_output),
+        daemon=True,
+        name=f"log {log_path.name}",
     )
     pump.start()
     pgid = proc.pid  # start_new_session makes the child a session and group leader
-    if stdin_text is not None:  # a line or two (a nonce): fits the pipe, so this never blocks
-        try:
-            proc.stdin.write(stdin_text.encode())
-            proc.stdin.close()
-        except OSError:
-            pass
     if on_start is not None:
         on_start(proc.pid)
+    written = stdin_text is None
+    if stdin_gate is not None:
+        tick_s = min(tick_s, GATE_TICK_S)
     timed_out = interrupted = False
     reaped: dict[int, int | None] = {}
     try:
         while True:
+            if not written and (stdin_gate is None or stdin_gate.is_set()):
+                written = True  # a line or two (a nonce): fits the pipe, so this never blocks
+                start = time.monotonic() if stdin_gate is not None else start
+                _write_stdin(proc, stdin_text)
             elapsed = time.monotonic() - start
             try:
                 proc.wait(timeout=max(0.01, min(tick_s, timeout_s - elapsed)))
@@ -315,6 +353,9 @@ def run_command(
             except subprocess.TimeoutExpired:
                 if cancel is not None and cancel.is_set():
                     interrupted = True
+                    if not written:  # told nothing: it may end on its own (no nonce, no evaluation)
+                        written = True
+                        _write_stdin(proc, "")
                     reaped = kill_tree(proc.pid, pgid)
                     _reap(proc)
                     break

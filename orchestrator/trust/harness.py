@@ -24,7 +24,7 @@ if os.path.exists("prepare.py"):
                 dataset=getattr(prepare, "DATASET", None), smoke_warning=getattr(prepare, "SMOKE_TEST_WARNING", None),
                 vocab=getattr(prepare, "VOCAB_SIZE", None),
                 cache=str(getattr(prepare, "CACHE_DIR", "") or ""), result_file=hasattr(prepare, "_write_result"),
-                exported=hasattr(prepare, "load_exported"))
+                exported=hasattr(prepare, "load_exported"), export_line=getattr(prepare, "EXPORT_LINE", None))
 if "torch" in sys.argv[1:] or "torch" in sys.modules:  # torch's view of CUDA (free when prepare imported it)
     try:
         import torch
@@ -50,6 +50,7 @@ class HarnessInfo:
     result_file: bool = False  # `prepare.py --evaluate --result FILE` (older ones print the result instead)
     vocab: int | None = None  # the tokenizer's vocabulary (VOCAB_SIZE), for size estimates
     exported: bool = False  # the evaluation scores an exported graph and never runs train.py's code (protected)
+    export_line: str | None = None  # what train.py prints as the export begins: the evaluation may start then
 
 
 def sha256_file(path: Path) -> str:
@@ -111,6 +112,7 @@ def query(workdir: Path, env: dict[str, str], torch: bool = False) -> HarnessInf
         bool(data.get("result_file")),
         data.get("vocab") if isinstance(data.get("vocab"), int) else None,
         bool(data.get("exported")),
+        data.get("export_line") if isinstance(data.get("export_line"), str) else None,
     )
 
 
