@@ -20,6 +20,8 @@ seconds and as a share of the budget (target <= 15%).
     python benchmarks/experiment_time.py --source /tmp/before          # an older checkout's train.py,
                                                                        # prepare.py and controller
     python benchmarks/experiment_time.py --budget 60 --profile cpu --json
+    python benchmarks/experiment_time.py --sandbox off                 # unconfined (the evaluation starts
+                                                                       # after train.py's process has ended)
 """
 
 from __future__ import annotations
@@ -205,6 +207,7 @@ def run_experiment(args, source: Path, cache: Path, workdir: Path) -> dict:
         "0",
         "--tag",
         TAG,
+        *(["--sandbox", args.sandbox] if args.sandbox else []),
     ]
     run_dir = repo / ".autoloop" / TAG / "runs" / "1"
     train_clock = LineClock(run_dir / "run.log")
@@ -417,6 +420,13 @@ def main() -> None:
         type=Path,
         default=None,
         help="AUTOLOOP_CACHE (default: /tmp/autoloop-bench-cache/<hash of prepare.py>, kept)",
+    )
+    ap.add_argument(
+        "--sandbox",
+        default=None,
+        choices=["auto", "on", "off"],
+        help="autoloop run --sandbox (default: the controller's default, auto: on where bubblewrap works; only "
+        "there does the evaluation start while train.py exports)",
     )
     ap.add_argument("--keep", action="store_true", help="keep the temporary repo (its path is printed)")
     ap.add_argument("--json", action="store_true", help="print the numbers as JSON instead of the table")
