@@ -336,8 +336,6 @@ def run_command(
     if on_start is not None:
         on_start(proc.pid)
     written = stdin_text is None
-    if stdin_gate is not None:
-        tick_s = min(tick_s, GATE_TICK_S)
     timed_out = interrupted = False
     reaped: dict[int, int | None] = {}
     try:
@@ -348,7 +346,8 @@ def run_command(
                 _write_stdin(proc, stdin_text)
             elapsed = time.monotonic() - start
             try:
-                proc.wait(timeout=max(0.01, min(tick_s, timeout_s - elapsed)))
+                tick = tick_s if written else min(tick_s, GATE_TICK_S)  # held at the gate: look often
+                proc.wait(timeout=max(0.01, min(tick, timeout_s - elapsed)))
                 break
             except subprocess.TimeoutExpired:
                 if cancel is not None and cancel.is_set():
@@ -359,7 +358,7 @@ def run_command(
                     reaped = kill_tree(proc.pid, pgid)
                     _reap(proc)
                     break
-                if time.monotonic() - start >= timeout_s:
+                if written and time.monotonic() - start >= timeout_s:  # (held: the step before has its own)
                     timed_out = True
                     reaped = kill_tree(proc.pid, pgid)
                     _reap(proc)
