@@ -1358,7 +1358,7 @@ def evaluate_artifact(path, split="val", ready=None):
             rows = eval_rows(tokenizer, _split_files(split), -(-wanted // MAX_SEQ_LEN))
         except ArtifactRefused as e:
             problem = f"the saved model was refused: {e}"
-        except (FileNotFoundError, ValueError) as e:  # a split run dry
+        except (RuntimeError, FileNotFoundError, ValueError, TypeError) as e:  # a split run dry
             problem = f"the evaluation of the {split} split failed: {str(e).splitlines()[0][:300]}"
     if ready is not None and not ready():
         return None

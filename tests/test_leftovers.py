@@ -325,3 +325,51 @@ def test_the_line_that_starts_a_step_early_is_found_however_the_output_is_cut(ch
     other = LineWatch("training is over", lambda: seen.append(2))
     other(b"print('training is over')\nsaid: training is over\ntraining is over, almost")
     assert seen == [1]  # only as a line of its own
+
+
+def test_unconfined_the_controller_never_writes_through_a_log_the_run_planted(tmp_path):
+    """The run's directory is the run's to write: a train.py that leaves the next step's log as a link to a file
+    of the user's does not get the controller (root, in containers) to truncate and fill that file."""
+    from orchestrator.executors.base import Job, run_steps
+
+    work, out, victim = tmp_path / "work", tmp_path / "out", tmp_path / "victim"
+    work.mkdir()
+    victim.write_text("the user's")
+    (work / "train.py").write_text(f"import os\nos.symlink({str(victim)!r}, {str(out / 'eval.log')!r})\n")
+    job = Job(
+        steps=[[sys.executable, "train.py"], [sys.executable, "-c", "print('evaluated')"]],
+        logs=["run.log", "eval.log"],
+        env={"PATH": os.environ["PATH"]},
+        timeout_s=60,
+        workdir=work,
+        out_dir=out,
+    )
+    result = run_steps(job, work, out, {})
+    assert [s.exit_code for s in result.steps] == [0, 0]
+    assert victim.read_text() == "the user's"
+    assert not (out / "eval.log").is_symlink() and (out / "eval.log").read_text() == "evaluated\n"
+
+
+def test_a_step_called_off_at_its_gate_reads_an_empty_stdin(tmp_path):
+    """A step held at its gate (it started early) and then called off is told so: its stdin closes with nothing
+    written (no nonce), so a harness that waits on it ends by itself, before it is killed."""
+    import threading
+
+    told = tmp_path / "told"
+    code = (
+        "import signal, sys\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        f"open({str(told)!r}, 'w').write(repr(sys.stdin.read()))\n"
+    )
+    cancel = threading.Event()
+    threading.Timer(0.5, cancel.set).start()
+    run = run_command(
+        [sys.executable, "-c", code],
+        tmp_path,
+        dict(os.environ),
+        tmp_path / "log",
+        60,
+        cancel=cancel,
+        stdin_text="nonce\n",
+        stdin_gate=threading.Event(),  # never opened
+    )
+    assert run.interrupted and told.read_text() == "''"

@@ -722,7 +722,11 @@ while not os.path.exists("{box.out}/evaluation-started") and time.time() < deadl
 {end}
 """
     result, logs = box.run(
-        [training, evaluation], stdin=[None, "nonce\n"], start_after=[None, READY_LINE], watch=("train.py",)
+        [training, evaluation],
+        stdin=[None, "nonce\n"],
+        start_after=[None, READY_LINE],
+        watch=("train.py",),
+        read_only=("attack_1.py",),
     )
     assert (box.out / "evaluation-started").exists(), logs  # it did start early
     assert len(result.steps) == 1, result
@@ -730,6 +734,111 @@ while not os.path.exists("{box.out}/evaluation-started") and time.time() < deadl
     told = (box.out / "step1.log").read_text()
     assert "nonce" not in told, told  # stdin closed with nothing written (it may be gone before it says so)
     assert survivors("attack_1.py") == []
+
+
+@needs_bwrap
+def test_an_evaluation_whose_code_the_training_step_could_change_never_starts_early(box):
+    """The interlock: a step may start early only if its code in the worktree is read-only to the step before
+    (here it is not named so), else it starts after that step, as unconfined."""
+    evaluation = EARLY_EVALUATION.format(out=box.out)
+    training = f"print({READY_LINE!r}, flush=True)\ntime.sleep(1.0)\nprint('ENDED', repr(time.time()), flush=True)\n"
+    result, logs = box.run([training, evaluation], stdin=[None, "n\n"], start_after=[None, READY_LINE])
+    assert [s.exit_code for s in result.steps] == [0, 0], logs
+    started = float((box.out / "evaluation-started").read_text())
+    assert started > float(logs[0].split("ENDED ")[1].split()[0])
+
+
+def held_evaluation(
+    box: Box, training: str, timeout: float = 60.0, cancel: threading.Event | None = None, then: str = ""
+) -> JobResult:
+    """training, then EARLY_EVALUATION (and `then`) started on READY_LINE, its code read-only: the job's result,
+    run directly (with a cancel event of the caller's)."""
+    for i, source in enumerate([training, EARLY_EVALUATION.format(out=box.out) + then]):
+        (box.work / f"attack_{i}.py").write_text(PRELUDE + source + DONE)
+        box.own(box.work / f"attack_{i}.py")
+    job = Job(
+        steps=[[box.python, "attack_0.py"], [box.python, "attack_1.py"]],
+        logs=["step0.log", "step1.log"],
+        env={**confine.allowed_env(), "HOME": str(box.out)},
+        timeout_s=timeout,
+        workdir=box.work,
+        out_dir=box.out,
+        sandbox={"net": False, "required": True},
+        readable=(str(box.base),),
+        read_only=("attack_1.py",),
+        step_stdin=[None, "nonce-5678\n"],
+        step_start_after=[None, READY_LINE],
+    )
+    return run_steps(job, box.work, box.out, {"CUDA_VISIBLE_DEVICES": ""}, cancel)
+
+
+WAIT_FOR_EVALUATION = """
+print({line!r}, flush=True)
+deadline = time.time() + 30
+while not os.path.exists("{out}/evaluation-started") and time.time() < deadline:
+    time.sleep(0.02)
+"""
+
+
+@needs_bwrap
+@pytest.mark.parametrize("when", ["held", "after its go"])
+def test_a_cancel_ends_an_evaluation_started_early(box, when):
+    """Ctrl-C (the job's cancel) while train.py runs and the evaluation waits for its go: both end, and the
+    evaluation never gets its nonce; or once the evaluation got its go: it ends. Nothing of either lives on."""
+    wait = WAIT_FOR_EVALUATION.format(line=READY_LINE, out=box.out)
+    training = wait + ("time.sleep(3600)\n" if when == "held" else "")
+    then = "" if when == "held" else f'open("{box.out}/evaluating", "w").close()\ntime.sleep(3600)\n'
+    cancel = threading.Event()
+    sign = box.out / ("evaluation-started" if when == "held" else "evaluating")
+
+    def cancel_on_sign() -> None:
+        deadline = time.monotonic() + 30
+        while not sign.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        cancel.set()
+
+    threading.Thread(target=cancel_on_sign, daemon=True).start()
+    started = time.monotonic()
+    result = held_evaluation(box, training, cancel=cancel, then=then)
+    assert result.interrupted and time.monotonic() - started < 30, result
+    assert sign.exists()
+    if when == "held":
+        assert len(result.steps) == 1 and "nonce-5678" not in (box.out / "step1.log").read_text()
+    else:
+        assert [s.exit_code for s in result.steps][0] == 0 and len(result.steps) == 2
+    assert survivors("attack_0.py") == [] and survivors("attack_1.py") == []
+
+
+@needs_bwrap
+def test_a_held_evaluations_timeout_counts_from_its_go(box):
+    """The hard timeout is per step: an evaluation that got ready early and waited for a long training step
+    is timed from its go, not from its start."""
+    training = WAIT_FOR_EVALUATION.format(line=READY_LINE, out=box.out) + "time.sleep(2.5)\n"
+    result = held_evaluation(box, training, timeout=3.5, then="time.sleep(1.5)\n")
+    assert [(s.exit_code, s.timed_out) for s in result.steps] == [(0, False), (0, False)], result
+
+
+@needs_bwrap
+@pytest.mark.parametrize("how", ["a link to a host file", "replaced while written"])
+def test_the_controller_never_writes_through_a_log_the_run_planted(box, how):
+    """A run's directory is the run's to write; its logs are the controller's, which writes them as root. Old: a
+    train.py that left `eval.log` as a link to a host file had the controller truncate and fill that file; now
+    the log is created anew (never followed), and one the run replaces while it is written is put back."""
+    victim = box.base / "host-file"
+    victim.write_text("the host's")
+    if how == "a link to a host file":
+        plant = f'os.symlink("{victim}", "{box.out}/step1.log")\n'
+        training = plant + f"print({READY_LINE!r}, flush=True)\n"
+        result = held_evaluation(box, training)
+    else:
+        training = WAIT_FOR_EVALUATION.format(line=READY_LINE, out=box.out) + (
+            f'os.unlink("{box.out}/step1.log")\nopen("{box.out}/step1.log", "w").write("FORGED\\n")\n'
+        )
+        result = held_evaluation(box, training)
+    assert [s.exit_code for s in result.steps] == [0, 0], result
+    assert victim.read_text() == "the host's"
+    log = box.out / "step1.log"
+    assert not log.is_symlink() and "TOLD 'nonce-5678'" in log.read_text() and "FORGED" not in log.read_text()
 
 
 # ---------------------------------------------------------------------------

@@ -26,7 +26,8 @@ class Processes:
             if key in self.pids and _alive(*self.pids[key]):  # a step that starts while the one before ends
                 key += "+"  # (the evaluation, sandboxed): both are the slot's until the run is over
             self.pids[key] = [pid, created]
-            write_status(self.paths, train_pid=pid, train_started=created, train_pids=dict(self.pids))
+            first = {"train_pid": pid, "train_started": created} if key == str(slot) else {}  # training's
+            write_status(self.paths, **first, train_pids=dict(self.pids))
 
     def ended(self, slot: int | str, **status) -> None:
         """The slot's run is over (recorded); `status` goes to status.json with it."""

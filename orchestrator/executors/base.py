@@ -242,7 +242,7 @@ def run_steps(
                 run, early = early.result(), None
             else:
                 watch = None
-                if confined is not None and (line := _early_start(job, i + 1)):
+                if confined is not None and (line := _early_start(job, i + 1, workdir)):
                     early = _Early(lambda gate, stop, n=i + 1: step(n, stdin_gate=gate, cancel=stop), cancel)
                     watch = LineWatch(line, early.start)
                 run = step(i, cancel=cancel, on_output=watch)
@@ -264,12 +264,19 @@ def run_steps(
     return result
 
 
-def _early_start(job: Job, i: int) -> str:
+def _early_start(job: Job, i: int, workdir: Path) -> str:
     """The line after which step i may start while the step before still runs ('' for none). Only a step that
-    reads stdin can wait for it (its stdin is written once the step before has ended and passed its checks)."""
+    reads stdin can wait for it (its stdin is written once the step before has ended and passed its checks), and
+    only one whose code in the worktree the step before cannot change (each such file named read-only): it may
+    still be reading it."""
     if i >= len(job.steps) or i >= len(job.step_start_after) or i >= len(job.step_stdin):
         return ""
-    return job.step_start_after[i] or "" if job.step_stdin[i] is not None else ""
+    if job.step_stdin[i] is None or not job.step_start_after[i]:
+        return ""
+    code = [a for a in job.steps[i][1:] if not a.startswith("-") and OUT not in a and (Path(workdir) / a).is_file()]
+    if not code or any(a not in job.read_only for a in code):
+        return ""
+    return job.step_start_after[i] or ""
 
 
 class _Either:

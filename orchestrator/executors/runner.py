@@ -12,6 +12,7 @@ import ctypes
 import os
 import resource
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,10 +36,16 @@ GATE_TICK_S = 0.02  # how often a command started early checks whether it may ha
 
 class CappedLog:
     """A log file that keeps the first and the last `cap / 2` bytes of what is written to it, with a line
-    saying how much was cut between them. Memory and disk stay under `cap` whatever the process prints."""
+    saying how much was cut between them. Memory and disk stay under `cap` whatever the process prints.
+
+    It lies in the run's directory, which the run can write: it is created anew (whatever the run left at
+    that path, a link to a file of the host's included, is removed, never followed), and if the run replaces it
+    while it is written, the controller's own copy is put back when it closes."""
 
     def __init__(self, path: Path, cap: int):
-        self.f = open(path, "wb", buffering=0)  # what the run prints is in the file at once (progress, status)
+        self.path = path
+        self.fd = _create(path)  # what the run prints is in the file at once (progress, status)
+        self.ino = os.fstat(self.fd).st_ino
         self.cap, self.head = cap, cap // 2
         self.size = 0  # bytes on disk while nothing is cut
         self.tail: bytearray | None = None  # once cut: the last cap - head bytes, in memory
@@ -47,14 +54,11 @@ class CappedLog:
 
     def write(self, data: bytes) -> None:
         if self.tail is None and self.size + len(data) <= self.cap:
-            self.f.write(data)
+            _write_all(self.fd, data, self.size)
             self.size += len(data)
             return
         if self.tail is None:  # the cap is reached: what is past the head becomes the start of the tail
-            self.f.flush()
-            with open(self.f.name, "rb") as r:
-                r.seek(self.head)
-                self.tail = bytearray(r.read())
+            self.tail = bytearray(os.pread(self.fd, self.size - self.head, self.head))
         self.tail += data
         excess = len(self.tail) - (self.cap - self.head)
         if excess > 0:
@@ -65,19 +69,61 @@ class CappedLog:
 
     def flush(self) -> None:
         if self.tail is not None:
-            self.f.seek(self.head)
-            self.f.write(
+            note = (
                 f"\n[autoloop: {self.cut} bytes of this log cut here; it keeps its first and last "
                 f"{self.head >> 20} MiB]\n".encode()
-                + bytes(self.tail)
             )
-            self.f.truncate()
-        self.f.flush()
+            _write_all(self.fd, note + bytes(self.tail), self.head)
+            os.ftruncate(self.fd, self.head + len(note) + len(self.tail))
         self.flushed = time.monotonic()
 
     def close(self) -> None:
         self.flush()
-        self.f.close()
+        try:
+            if os.lstat(self.path).st_ino == self.ino:
+                return
+        except OSError:
+            pass
+        try:  # replaced or removed by the run: our copy goes back
+            fd = _create(self.path)
+            try:
+                size, offset = os.fstat(self.fd).st_size, 0
+                while offset < size:
+                    chunk = os.pread(self.fd, min(1 << 20, size - offset), offset)
+                    if not chunk:
+                        break
+                    _write_all(fd, chunk, offset)
+                    offset += len(chunk)
+            finally:
+                os.close(fd)
+        except OSError:
+            pass
+        finally:
+            os.close(self.fd)
+
+
+def _create(path: Path) -> int:
+    """A new regular file at path, opened read-write; whatever was there (a link, a FIFO) is removed first, and
+    one put back in between makes it try again (O_EXCL: never opened, never followed)."""
+    for _ in range(100):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except IsADirectoryError:
+            shutil.rmtree(path, ignore_errors=True)
+        try:
+            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except FileExistsError:
+            continue
+    raise OSError(f"cannot create {path}: something keeps putting a file there")
+
+
+def _write_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        done = os.pwrite(fd, view, offset)
+        view, offset = view[done:], offset + done
 
 
 class LineWatch:
@@ -92,7 +138,7 @@ class LineWatch:
         if self.seen:
             return
         *lines, self.pending = (self.pending + data).split(b"\n")
-        self.pending = self.pending[-len(self.line) - 1 :]  # a longer line cannot be it
+        self.pending = self.pending[-len(self.line) - 2 :]  # a longer line cannot be it (nor can this, cut)
         if any(ln.rstrip(b"\r") == self.line for ln in lines):
             self.seen = True
             self.then()
@@ -110,7 +156,10 @@ def _pump(fd: int, log: CappedLog, on_output: Callable[[bytes], None] | None = N
                     break
                 log.write(data)
                 if on_output is not None:
-                    on_output(data)
+                    try:
+                        on_output(data)
+                    except Exception:  # noqa: BLE001 - a watcher's failure must not stop the log (and the run)
+                        on_output = None
             elif log.tail is not None:
                 log.flush()
     finally:
