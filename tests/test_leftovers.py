@@ -373,3 +373,20 @@ def test_a_step_called_off_at_its_gate_reads_an_empty_stdin(tmp_path):
         stdin_gate=threading.Event(),  # never opened
     )
     assert run.interrupted and told.read_text() == "''"
+
+
+def test_a_record_is_never_written_through_a_link_the_run_left(tmp_path):
+    """record.json goes into the run's directory, which the run can write. Old: it was written through a
+    temporary file of a predictable name (record.json.<pid>.<thread>.tmp), so a link left at that name made
+    the controller write into the file it pointed at."""
+    import threading
+
+    from orchestrator.store.ledger import Record, read_record, write_record
+
+    run_dir, victim = tmp_path / "run", tmp_path / "victim"
+    run_dir.mkdir()
+    victim.write_text("the user's")
+    (run_dir / f"record.json.{os.getpid()}.{threading.get_ident()}.tmp").symlink_to(victim)
+    write_record(run_dir, Record(n=1, commit="abc", parent="", description="d", status="keep"))
+    assert victim.read_text() == "the user's"
+    assert read_record(run_dir).description == "d" and (run_dir / "record.json").stat().st_mode & 0o777 == 0o644
