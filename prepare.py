@@ -1450,7 +1450,7 @@ if __name__ == "__main__":
         except Exception as e:  # noqa: BLE001 - whatever the model did, the controller gets a result that says so
             first = (str(e).splitlines() or [""])[0][:200]
             result = {"error": f"the evaluation failed: {type(e).__name__}: {first}"}
-        if not told and not ready() or result is None:
+        if result is None or (not told and not ready()):  # called off before, or (after a failure) now
             print("prepare.py --evaluate: called off by the controller (no nonce); nothing evaluated", flush=True)
             _exit(3)
         nonce = told[0]

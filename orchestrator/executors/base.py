@@ -274,9 +274,7 @@ def _early_start(job: Job, i: int, workdir: Path) -> str:
     if job.step_stdin[i] is None or not job.step_start_after[i]:
         return ""
     code = [a for a in job.steps[i][1:] if not a.startswith("-") and OUT not in a and (Path(workdir) / a).is_file()]
-    if not code or any(a not in job.read_only for a in code):
-        return ""
-    return job.step_start_after[i] or ""
+    return "" if not code or any(a not in job.read_only for a in code) else job.step_start_after[i] or ""
 
 
 class _Either:
