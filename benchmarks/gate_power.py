@@ -3,7 +3,8 @@
 Each candidate has normal noise (σ = 1) and a true gain (0: a no-op; 2: a real gain of 2 σ; -1: worse) over a
 best measured `--best-runs` times, with `--others` other configurations of 2-3 runs measured (they give the
 reference spread). Runs are allocated as the loop does: after each look the gate keeps, discards, or asks for
-another run, of the candidate or of the best (`parent_first`). Prints, per setting, how often each kind of
+another run, of the candidate or of the best (`parent_first`; never two of the best in a row, at most
+`COMPARISON_RUNS` of them per candidate). Prints, per setting, how often each kind of
 candidate is kept and the runs it cost.
 
     python benchmarks/gate_power.py                                   # the default gate
@@ -28,12 +29,14 @@ def candidate(gain: float, gate: Gate, rng: random.Random, others: int, best_run
     """One candidate judged to the end: (kept, runs spent on it and on the best)."""
     best = [rng.gauss(0, 1) for _ in range(best_runs)]
     other = [[rng.gauss(0, 1) for _ in range(rng.choice([2, 3]))] for _ in range(others)]
-    runs = [rng.gauss(-gain, 1)]
+    runs, last_best = [rng.gauss(-gain, 1)], False
     while True:
         verdict = judge(runs, best, other, gate, False)
         if verdict.decision != "rerun":
             return verdict.decision == "keep", len(runs) + len(best) - best_runs
-        if parent_first(runs, best, other):
+        # as the loop plans it: never two runs of the best in a row, at most COMPARISON_RUNS for this candidate
+        last_best = not last_best and parent_first(runs, best, other, len(best) - best_runs)
+        if last_best:
             best.append(rng.gauss(0, 1))
         else:
             runs.append(rng.gauss(-gain, 1))

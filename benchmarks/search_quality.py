@@ -54,6 +54,7 @@ def surrogate_session(job: tuple) -> dict:
     model, profile, method, gate, seed, experiments, where, *rest = job
     noise_scale = rest[0] if rest else 1.0
     limit = rest[1] if len(rest) > 1 else None  # activations above which a run is out of memory (--oom-share)
+    drift, period = rest[2] if len(rest) > 2 else (0.0, 40)  # night_value.py --drift: val_bpb amplitude, runs
     os.environ.setdefault("AUTOLOOP_PROGRESS_SECONDS", "1e9")  # one result per session, not the loop's live line
     sys.path[:0] = [str(ROOT / "benchmarks" / "surrogate"), str(ROOT / "benchmarks")]
     from fake import fake_train
@@ -62,7 +63,9 @@ def surrogate_session(job: tuple) -> dict:
 
     base = Path(where) / f"{method.replace(':', '.')}-{gate}-{seed}"
     base.mkdir(parents=True)
-    train = fake_train((ROOT / "train.py").read_text(), profile, Path(model), base / "seen.json", noise_scale, limit)
+    train = fake_train(
+        (ROOT / "train.py").read_text(), profile, Path(model), base / "seen.json", noise_scale, limit, drift, period
+    )
     repo = make_git_repo(base / "repo", {"train.py": train})
     settings = Settings(
         repo=repo,

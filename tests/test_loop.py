@@ -234,6 +234,7 @@ def test_a_crashed_baseline_run_again_on_resume_is_the_baseline(fake_repo, plan,
         "baseline (repeat 2/3)",
         "baseline (repeat 3/3)",
         "better",
+        "parent (repeat: a fresh run of the new best)",  # its keep's run is a selected sample
     ]
     assert state.baseline_run == 2 and state.baseline_bpb == pytest.approx(1.0) and state.best_run == 5
     for command in (["status", "--json"], ["report", "--json"]):

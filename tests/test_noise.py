@@ -13,6 +13,7 @@ import pytest
 from conftest import subprocess_env
 
 from orchestrator.core.noise import Gate, Spread, judge, parent_first, reference_spread, significant_lines
+from orchestrator.core.state import group_of
 from orchestrator.loop import Settings, run_loop
 from orchestrator.store.ledger import Evidence, read_record, read_rows
 from orchestrator.store.session import Paths
@@ -92,7 +93,7 @@ def test_sequential_gate_keeps_few_no_ops_and_most_real_gains():
             verdict = judge(candidate, best, others, gate, False)
             if verdict.decision != "rerun":
                 return verdict.decision == "keep", len(candidate) + len(best) - 3
-            if parent_first(candidate, best, others):
+            if parent_first(candidate, best, others, len(best) - 3):
                 best.append(rng.gauss(0, 1))
             else:
                 candidate.append(rng.gauss(-effect, 1))
@@ -109,6 +110,9 @@ def test_parent_first_balances_the_runs():
     assert parent_first([0.99, 0.98, 0.985], [1.0], TYPICAL)  # the best's one run is the weak side
     assert not parent_first([0.99], BASE + [1.0], TYPICAL)  # the candidate's is
     assert not parent_first([0.99], [1.0] * 12, TYPICAL)  # never beyond PARENT_RUNS
+    # nor beyond COMPARISON_RUNS for one candidate, however much the best's runs scatter
+    assert parent_first([0.99, 0.98, 0.985], [1.0, 1.05, 0.95], TYPICAL, asked=2)
+    assert not parent_first([0.99, 0.98, 0.985], [1.0, 1.05, 0.95], TYPICAL, asked=3)
     assert significant_lines("a = 1\n\n# comment\n  # indented comment\nb = 2\n") == 2
 
 
@@ -120,7 +124,9 @@ VALUES = [
     0.990,
     0.985,  # A: better but inside the margin, three runs, then discarded
     0.700,  # B: far better, kept at once
+    0.702,  # a fresh run of B before it is compared with (its keep's run is selected)
     0.705,  # C: within the margin but shorter: kept as a simplification
+    0.704,  # a fresh run of C
     0.750,
 ]  # D: worse
 
@@ -171,7 +177,9 @@ EXPECTED = [
     ("A (repeat 2/3)", "discard"),
     ("A (repeat 3/3)", "discard"),
     ("B", "keep"),
+    ("parent (repeat: a fresh run of the new best)", "discard"),
     ("C", "keep"),
+    ("parent (repeat: a fresh run of the new best)", "discard"),
     ("D", "discard"),
 ]
 
@@ -186,8 +194,8 @@ def test_noise_gate_end_to_end(gate_repo):
     assert "inside the margin" in rows[3].description and "running again" in rows[3].description
     assert "(mean of 3 runs, margin " in rows[5].description and abs(rows[5].val_bpb - 0.99) < 1e-9
     assert "B (1 run, margin " in rows[6].description
-    assert "C (simplification, 1 run, margin " in rows[7].description
-    records = [read_record(Paths(gate_repo, "g").run_dir(n)) for n in range(1, 10)]
+    assert "C (simplification, 1 run, margin " in rows[8].description
+    records = [read_record(Paths(gate_repo, "g").run_dir(n)) for n in range(1, 12)]
     assert [r.gate.decision for r in records[3:6]] == ["rerun", "rerun", "discard"]
     assert records[5].gate.runs == 3 and records[5].gate.margin > 0 and records[5].gate.stats["sd"] > 0
     assert {r.group for r in records[3:6]} == {4}
@@ -196,7 +204,7 @@ def test_noise_gate_end_to_end(gate_repo):
     raw = json.loads((Paths(gate_repo, "g").run_dir(6) / "record.json").read_text())["gate"]
     assert raw["decision"] == "discard" and raw["runs"] == 3 and raw["test"] == "welch-t" and raw["sd"] > 0
     assert "stats" not in raw and "selection" not in raw and Evidence.from_dict(raw) == records[5].gate
-    assert state.best_bpb == 0.705 and abs(state.baseline_bpb - 1.0) < 1e-9
+    assert state.best_bpb == 0.704 and abs(state.baseline_bpb - 1.0) < 1e-9
     out = subprocess.run(
         [sys.executable, "-m", "orchestrator.cli", "status", "--repo", str(gate_repo)],
         capture_output=True,
@@ -208,7 +216,7 @@ def test_noise_gate_end_to_end(gate_repo):
 
 def test_resume_in_the_middle_of_repeats(gate_repo):
     run(gate_repo, max_experiments=5)  # stops after A's second run, undecided
-    run(gate_repo, max_experiments=9)
+    run(gate_repo, max_experiments=11)
     rows = read_rows(gate_repo / "results.tsv")
     assert [r.status for r in rows] == [s for _, s in EXPECTED]
     assert rows[5].description.startswith("A (repeat 3/3) (mean of 3 runs")
@@ -219,3 +227,53 @@ def test_strict_gate_keeps_any_lower_value(gate_repo):
     rows = read_rows(gate_repo / "results.tsv")
     # strict: 1.000 then 1.010 (A: worse), 0.990 (B: kept), 0.995 (C), 0.990 (D: not lower)
     assert [r.status for r in rows] == ["keep", "discard", "keep", "discard", "discard"]
+
+
+def drifting(counter, depth: int) -> str:
+    """A fake train.py on a machine that slows down from its 5th run on (val_bpb +0.003 per run, as a time budget
+    turns lost steps into loss), whose DEPTH 2 scored lucky on its first run: the night of issue #32."""
+    return (
+        f"""import os
+DEPTH = {depth}  # [1, 8]
+p = {str(counter)!r}
+k = int(open(p).read()) if os.path.exists(p) else 0
+open(p, "w").write(str(k + 1))
+BPB = {{4: 1.530, 2: 1.490, 1: 1.450}}[DEPTH] + 0.003 * max(0, k - 3) + 0.0005 * (-1) ** k
+if DEPTH == 2 and not os.path.exists(p + ".lucky"):
+    open(p + ".lucky", "w").write("")
+    BPB = 1.440
+"""
+        + fakes.SUMMARY
+    )
+
+
+def test_a_promising_candidate_after_a_one_run_keep_on_a_drifting_machine_is_decided_in_four_runs(
+    fake_repo, plan, tmp_path
+):
+    """The night of issue #32: a change kept on one lucky run, then a promising candidate, on a machine slowing
+    down. Then, the best (compared by the mean of the runs that kept it) was run 11 times in a row for one
+    comparison, its drift counted as noise. Now the new best is measured afresh before it is compared with, its
+    runs alternate with the candidate's (close in time: the drift hits both alike) and one comparison asks for
+    at most 3 of them: the candidate is decided within 4 runs of its first."""
+    counter = tmp_path / "runs"
+    repo = fake_repo(drifting(counter, 4))
+    plan(
+        [{"description": "DEPTH 4 -> 2", "train": drifting(counter, 2)}]
+        + [{"description": "DEPTH 2 -> 1", "train": drifting(counter, 1)}] * 3
+    )
+    run(repo, gate=Gate(), max_experiments=12)
+    rows = read_rows(repo / "results.tsv")
+    records = [read_record(Paths(repo, "g").run_dir(n)) for n in range(1, len(rows) + 1)]
+    kept = [r for r in records if r.status == "keep"]
+    assert kept[1].description == "DEPTH 4 -> 2" and kept[1].gate.runs == 1, rows  # kept on its one lucky run
+    first = next(r for r in records if r.description == "DEPTH 2 -> 1")
+    decided = next(r for r in records if group_of(r) == first.n and r.gate.decision in ("keep", "discard"))
+    assert decided.status == "keep" and decided.n - first.n + 1 <= 4, [
+        (r.n, r.description, r.gate.note) for r in records
+    ]
+    parents = [r for r in records if first.n < r.n < decided.n and group_of(r) == kept[1].n]
+    assert 1 <= len(parents) <= 3
+    between = [group_of(r) for r in records if first.n <= r.n <= decided.n]
+    assert all(a != b for a, b in zip(between, between[1:]))  # the best's runs and the candidate's alternate
+    fresh = records[kept[1].n]  # the run after the keep: the new best again, before any candidate
+    assert group_of(fresh) == kept[1].n and fresh.info.get("repeat") == "a fresh run of the new best"

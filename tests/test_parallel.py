@@ -57,7 +57,7 @@ def test_two_slots_run_generations(fake_repo, plan):
         ]
     )
     lines: list[str] = []
-    state = run_loop(settings(repo, max_experiments=9), echo=lines.append)
+    state = run_loop(settings(repo, max_experiments=10), echo=lines.append)
     rows = read_rows(repo / "results.tsv")
     paths = Paths(repo, "p")
     got = [(r.description.split(" [")[0].split(" (1 run")[0], r.status) for r in rows]
@@ -68,17 +68,15 @@ def test_two_slots_run_generations(fake_repo, plan):
         ("worse", "discard"),  # generation 2: better is selected
         ("better (confirmation 1/1)", "keep"),
         ("baseline (repeat: confirmation)", "discard"),  # confirmed
-        ("crashes", "crash"),
-        ("best", "keep"),  # generation 4: crash frees a slot; one candidate left: judged
-        (
-            "parent (repeat: slot freed early)",
-            "discard",
-        ),  # directly (no pick, no bias); the freed slot re-ran the parent
+        ("parent (repeat: a fresh run of the new best)", "discard"),  # generation 4: the new best measured afresh
+        ("crashes", "crash"),  # beside it; its crash frees a slot, which re-runs the parent
+        ("parent (repeat: slot freed early)", "discard"),
+        ("best", "keep"),  # generation 5: one candidate left: judged directly (no pick, no bias)
     ], "\n".join(lines)
     assert "best of 2, by 0.2000: confirming" in rows[2].description and "confirmed by 1 run" in rows[4].description
 
     # two experiments in flight at once, on their own slot worktrees
-    for a, b in ((1, 2), (3, 4), (5, 6), (8, 9)):
+    for a, b in ((1, 2), (3, 4), (5, 6), (7, 9)):
         (s1, e1), (s2, e2) = span(paths.run_dir(a)), span(paths.run_dir(b))
         assert max(s1, s2) < min(e1, e2), (a, b)
         assert {read_record(paths.run_dir(a)).slot, read_record(paths.run_dir(b)).slot} == {0, 1}
@@ -89,7 +87,7 @@ def test_two_slots_run_generations(fake_repo, plan):
     # the branch holds exactly the kept commits; the user's checkout is untouched
     user = git.Repo(repo)
     branch = user.heads["autoloop/p"].commit
-    assert branch.hexsha.startswith(rows[7].commit) and state.best_bpb == pytest.approx(0.7)
+    assert branch.hexsha.startswith(rows[9].commit) and state.best_bpb == pytest.approx(0.7)
     for r in rows:
         assert user.is_ancestor(user.commit(r.commit).hexsha, branch.hexsha) == (r.status == "keep"), r
     assert user.active_branch.name == "main" and not user.is_dirty(untracked_files=True)

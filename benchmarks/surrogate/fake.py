@@ -19,7 +19,7 @@ BODY = """
 # ---------------------------------------------------------------------------
 # The surrogate (not a hyperparameter)
 # ---------------------------------------------------------------------------
-import fcntl, json, os, sys, zlib
+import fcntl, json, math, os, sys, zlib
 import numpy as np
 sys.path.insert(0, {here!r})
 from model import Surrogate
@@ -34,6 +34,8 @@ with open({state!r}, "a+") as f:  # how often this configuration ran before in t
     _seen = json.loads(f.read() or "{{}}")
     _n = _seen.get(_key, 0)
     _seen[_key] = _n + 1
+    _k = _seen.get("", 0)  # runs of any configuration before this one: the machine's clock for a drift
+    _seen[""] = _k + 1
     f.seek(0)
     f.truncate()
     f.write(json.dumps(_seen))
@@ -45,6 +47,7 @@ _rng = np.random.default_rng([int(os.environ.get("AUTOLOOP_SEED", "42")), zlib.c
 if _rng.random() < _crash:
     raise RuntimeError("surrogate: this configuration crashed (out of memory or a diverged loss)")
 _value = _mean + {noise_scale!r} * _sd * _rng.standard_normal()
+_value += {drift!r} * math.sin(2 * math.pi * _k / {period!r})  # a machine whose speed drifts (--drift)
 print("step 00100 | loss: 1.0")
 print("---")
 print(f"val_bpb:          {{_value:.6f}}")
@@ -82,12 +85,21 @@ def memory_limit(space: dict, share: float, seed: int = 0, draws: int = 20_000) 
 
 
 def fake_train(
-    real_source: str, profile: str, model: Path, state: Path, noise_scale: float = 1.0, memory_limit: int | None = None
+    real_source: str,
+    profile: str,
+    model: Path,
+    state: Path,
+    noise_scale: float = 1.0,
+    memory_limit: int | None = None,
+    drift: float = 0.0,
+    period: int = 40,
 ) -> str:
     """The fake train.py: the real one's hyperparameter constants (this profile's values and bounds, written
     as plain constants) and the surrogate's body. `noise_scale` multiplies the surrogate's run-to-run sd (a
     stress test: the same landscape, noisier runs). A configuration whose `activations` exceed `memory_limit`
-    runs out of memory, every time (a crash region set by hand: the collections on a CPU have none)."""
+    runs out of memory, every time (a crash region set by hand: the collections on a CPU have none). `drift`
+    adds drift * sin(2 pi k / period) to the k-th run of the session, whatever its configuration: a machine
+    whose speed drifts, which a time budget turns into val_bpb (true_bpb stays the configuration's own)."""
     from orchestrator.proposers.space import read_space
     from orchestrator.store.hparams import format_value, read_constants
 
@@ -111,5 +123,7 @@ def fake_train(
             model=str(model),
             noise_scale=float(noise_scale),
             memory_limit=memory_limit,
+            drift=float(drift),
+            period=int(period),
         )
     )

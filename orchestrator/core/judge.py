@@ -6,6 +6,8 @@
   discard. Several candidates at once: the best of them that beats the best is only *selected*, because the
   best of k noisy runs is biased low (the winner's curse); it is run again and its pick never counts.
 - Runs again of a pending candidate ("rerun", "confirm") are judged on all its counted runs on that device.
+- The best is represented by its fresh runs only (State.comparator): the runs that won its keep are a selected
+  sample, biased low, and comparing later candidates with them would discard true improvements.
 Comparisons are made only between runs on the same device type. See noise.py for the margin.
 """
 
@@ -87,8 +89,8 @@ def _judge(state: State, runs: list[Finished], gate: Gate) -> None:
     def others(run: Finished) -> list[list[float]]:
         return state.others(run.record.device, state.best_group, group_of(run.record), extra=extra)
 
-    def parent_on(device: str) -> list[float]:
-        return state.runs(state.best_group, device) + [
+    def parent_on(device: str) -> list[float]:  # the best's fresh runs (State.comparator), this generation's too
+        return state.comparator(device, state.fresh(gate.mode, device)) + [
             r.record.bpb for r in ok if r.kind == Kind.PARENT and r.record.device == device
         ]
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 PRIOR_DOF = 8  # how many runs' worth the reference spread counts for in a configuration's variance, at most
 PARENT_RUNS = 12  # runs of the best at most that a pending candidate asks for (they serve later ones too)
+COMPARISON_RUNS = 3  # runs of the best at most that one candidate's comparison asks for
 SPEND = 2.0  # the false-keep budget of look k grows as k**SPEND
 FUTILITY = (0.0, 0.5, 1.0)  # t at look 1, 2, 3.. not above which a candidate is discarded without more runs
 MIN_PRIOR_DOF = 2  # the reference counts for at least this many runs, however much configurations differ
@@ -158,11 +159,13 @@ def threshold(gate: Gate, look: int, dof: float) -> float:
     return t_quantile(1.0 - look_alpha(gate, look), dof)
 
 
-def parent_first(candidate: list[float], best: list[float], others: list[list[float]]) -> bool:
+def parent_first(candidate: list[float], best: list[float], others: list[list[float]], asked: int = 0) -> bool:
     """Would a run of the best sharpen the comparison more than another run of the candidate? (The run that
     shrinks the standard error of the difference most; a tie goes to the best, whose runs serve every later
-    candidate too.) Never beyond PARENT_RUNS runs of the best."""
-    if len(best) >= PARENT_RUNS:
+    candidate too.) Never beyond PARENT_RUNS runs of the best, nor when this comparison has `asked` for
+    COMPARISON_RUNS already: a best whose runs keep scattering (a machine drifting in speed) would otherwise
+    take every run, while the candidate's next run is what decides."""
+    if len(best) >= PARENT_RUNS or asked >= COMPARISON_RUNS:
         return False
     c, b, ref = samples(candidate, best, others)
     return ref.var is not None and b.var > 0 and b.var / (b.n * (b.n + 1)) >= c.var / (c.n * (c.n + 1))

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from ..proposers import Proposer
 from ..store.ledger import Record
-from .noise import parent_first
+from .noise import COMPARISON_RUNS, parent_first
 from .pipeline import Prefetch, Prepared, carry, make_proposal
 from .state import Kind, State, group_of
 
@@ -148,6 +148,55 @@ def refill(state: State, free: int, busy: int, age_s: float, budget: float, room
     return parent_run(state, "slot freed early")
 
 
+def pending_runs(ws: Workspace, state: State, slots: int) -> list[Prepared]:
+    """The pending candidate's next generation: its runs again and, on the other slots, the best's. A best-of-k
+    pick is confirmed on half the slots; a promising candidate runs once (one slot: the best instead when that
+    sharpens the comparison more, `parent_first`). The best runs at most COMPARISON_RUNS times for one
+    comparison; slots beyond that run the candidate again (its looks allowing)."""
+    first = state.pending or 0
+    pending = next(r for r in state.records if r.n == first)
+    spare = max(0, COMPARISON_RUNS - asked(state))  # runs of the best this comparison may still ask for
+    made = sum(1 for r in state.records if group_of(r) == first)
+    if pending.gate.selection:
+        k = max(1, math.ceil(slots / 2), slots - spare)
+        return [
+            again(
+                ws,
+                state,
+                pending,
+                f"{pending.description} (confirmation {i + 1}/{k})",
+                {"confirm": i + 1},
+                Kind.CONFIRM,
+            )
+            for i in range(k)
+        ] + [parent_run(state, "confirmation") for _ in range(slots - k)]
+    device = state.records[-1].device
+    mine = state.runs(first, device)
+    parents = state.comparator(device, state.fresh(ws.settings.gate.mode, device))
+    others = state.others(device, state.best_group, first)
+    alternate = group_of(state.records[-1]) == first  # runs compared are made close in time: never two of the best
+    if slots == 1 and alternate and mine and parents and parent_first(mine, parents, others, asked(state)):
+        return [parent_run(state, f"sharpening the comparison with pending run {first}")]
+    k = min(max(1, slots - spare), max(1, ws.settings.gate.max_repeats - made))
+    label = ws.settings.gate.max_repeats
+    return [
+        again(
+            ws,
+            state,
+            pending,
+            f"{pending.description} (repeat {made + i + 1}/{label})",
+            {"repeat": made + i + 1},
+            Kind.RERUN,
+        )
+        for i in range(k)
+    ] + [parent_run(state, "confirmation") for _ in range(slots - k)]
+
+
+def asked(state: State) -> int:
+    """Runs of the best made since the pending candidate's first run: what its comparison has asked for."""
+    return sum(1 for r in state.records if r.n > (state.pending or 0) and group_of(r) == state.best_group)
+
+
 def plan(ws: Workspace, ideas: Ideas, state: State, slots: int) -> list[Prepared]:
     """The runs of the next generation (at most `slots`); [] when the proposer has no more ideas."""
     s, best = ws.settings, state.best_commit
@@ -163,43 +212,7 @@ def plan(ws: Workspace, ideas: Ideas, state: State, slots: int) -> list[Prepared
             for i in range(slots)
         ]
     if state.pending is not None:
-        pending = next(r for r in state.records if r.n == state.pending)
-        again_runs: list[Prepared]
-        if pending.gate.selection:  # a best-of-k pick: confirm it on half the slots
-            k = max(1, math.ceil(slots / 2))
-            again_runs = [
-                again(
-                    ws,
-                    state,
-                    pending,
-                    f"{pending.description} (confirmation {i + 1}/{k})",
-                    {"confirm": i + 1},
-                    Kind.CONFIRM,
-                )
-                for i in range(k)
-            ]
-        else:
-            device = state.records[-1].device
-            mine, parents = state.runs(state.pending, device), state.runs(state.best_group, device)
-            if (
-                slots == 1
-                and mine
-                and parents
-                and parent_first(mine, parents, state.others(device, state.best_group, state.pending))
-            ):
-                return [parent_run(state, f"sharpening the comparison with pending run {state.pending}")]
-            n = sum(1 for r in state.records if group_of(r) == state.pending) + 1
-            again_runs = [
-                again(
-                    ws,
-                    state,
-                    pending,
-                    f"{pending.description} (repeat {n}/{s.gate.max_repeats})",
-                    {"repeat": n},
-                    Kind.RERUN,
-                )
-            ]
-        return again_runs + [parent_run(state, "confirmation") for _ in range(slots - len(again_runs))]
+        return pending_runs(ws, state, slots)
     runs: list[Prepared] = []
     wanted, base = 1 + s.baseline_repeats, state.baseline_group
     since = [r for r in state.records if r.n >= base and not r.gate.disturbed]
@@ -210,8 +223,9 @@ def plan(ws: Workspace, ideas: Ideas, state: State, slots: int) -> list[Prepared
         for i, run in enumerate(runs):
             run.info = {"repeat": have + i + 1}
     device = state.records[-1].device if state.records else ""
-    if not runs and device and not state.runs(state.best_group, device):  # e.g. resumed on another GPU model
-        runs = [parent_run(state, f"no run of the best on {device} yet")]
+    if not runs and device and not state.comparator(device, state.fresh(s.gate.mode, device)):  # kept, or moved
+        kept = bool(state.kept_at and state.runs(state.best_group, device))
+        runs = [parent_run(state, "a fresh run of the new best" if kept else f"no run of the best on {device} yet")]
     if len(runs) == slots:
         return runs
     fresh = ideas.take(best, state.records, slots - len(runs))

@@ -116,6 +116,9 @@ class State:
     best_commit: str = ""
     best_group: int = 0
     best_run: int = 0  # the run whose saved model stands for the best (its last run)
+    # the run that kept the best: its runs up to here were selected by the gate (their mean is biased low: the
+    # winner's curse), so only later runs compare it with candidates (`comparator`); 0 for the baseline
+    kept_at: int = 0
     baseline_group: int = 0  # the baseline's runs (1, unless a crashed baseline was run again)
     baseline_run: int = 0  # the run whose saved model stands for the baseline
     pending: int | None = None  # a candidate group to run again before it is decided
@@ -139,9 +142,30 @@ class State:
             if group_of(r) == group and self.counted(r) and (device is None or r.device == device)
         ]
 
+    def comparator(self, device: str | None = None, fresh: bool = True) -> list[float]:
+        """val_bpb of the best's fresh runs (on `device` only, if given): those made after the run that kept it.
+        The runs that won its keep are a selected sample (a sequential test stops when they look good), so a
+        candidate is compared with fresh runs only, as the best's runs measured afterwards are unbiased.
+        `fresh=False`: all its counted runs (upstream's rule, --gate strict, compares with the kept run)."""
+        return [
+            r.bpb
+            for r in self.records
+            if group_of(r) == self.best_group
+            and (r.n > self.kept_at or not fresh)
+            and self.counted(r)
+            and (device is None or r.device == device)
+        ]
+
+    def fresh(self, mode: str, device: str) -> bool:
+        """Is the best compared with its fresh runs only (`comparator`)? When the gate weighs run-to-run noise:
+        the noise gate, once some configuration was measured twice on `device`. Before that (--baseline-repeats 0)
+        and under --gate strict it is upstream's rule: lower than the kept run is kept."""
+        return mode != "strict" and any(len(v) >= 2 for (_, d), v in self.groups().items() if d == device)
+
     @property
     def best_bpb(self) -> float | None:
-        runs = self.runs(self.best_group)
+        """The best's mean as the gate sees it: of its fresh runs once it has some, else of the runs that kept it."""
+        runs = self.comparator() or self.runs(self.best_group)
         return statistics.fmean(runs) if runs else None
 
     @property
@@ -177,8 +201,9 @@ class State:
         group, decision = group_of(record), record.gate.decision or record.status
         if decision == Decision.KEEP:
             self.best_commit, self.best_group, self.best_run, self.pending = record.commit, group, record.n, None
-            if not self.baseline_group:
-                self.baseline_group, self.baseline_run = group, record.n
+            self.kept_at = record.n
+            if not self.baseline_group:  # the first run: nothing selected it
+                self.baseline_group, self.baseline_run, self.kept_at = group, record.n, 0
         elif decision == Decision.RERUN:
             self.pending = group
         elif decision != Decision.CONFIRMING and self.pending == group:  # decided (or crashed on its own)

@@ -1,0 +1,143 @@
+"""After a night, whose model is really better: autoloop's, or the same proposer under upstream's keep rule?
+
+On a surrogate of train.py (benchmarks/surrogate/, fitted on real runs) each arm drives the real controller (real
+proposer, gate, ledger and git) with a fake train.py that answers in milliseconds with the configuration's noise;
+its noise-free value (`true_bpb`) is what a night really bought. Arms, with paired seeds (seed s of every arm
+sees the same landscape and the same proposer seed):
+
+- `autoloop`: the default gate (noise-aware, baseline measured 3 times, fresh runs of a new best, at most 3
+  runs of the best per comparison, interleaved);
+- `upstream`: autoresearch's rule: one run per idea, kept if its val_bpb is lower than the kept run's
+  (`--gate strict --baseline-repeats 0`).
+
+Compute is counted in runs (every run of the surrogate costs one run's worth; early stopping, when it exists,
+will count a stopped run by the share it used). The table gives the true improvement (the baseline's true
+val_bpb minus the kept best's) at each checkpoint: median [quartiles] over the seeds, the paired one-sided
+Wilcoxon test "autoloop better", the ratio of medians, and per arm the keeps, the false keeps (kept, and truly
+not better than the best it replaced) and the ideas judged per 100 runs.
+
+    python benchmarks/night_value.py --surrogate benchmarks/surrogate/tiny-5s.npz --seeds 20 --runs 300 --jobs 2
+    python benchmarks/night_value.py ... --drift 1.5    # a machine drifting by +-1.5 baseline sd (period 40 runs)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "benchmarks" / "surrogate")]
+
+from search_quality import die_with_parent, surrogate_session  # noqa: E402
+
+ARMS = {"autoloop": "noise", "upstream": "strict"}  # arm -> the gate it runs (search_quality's sessions)
+
+
+def session(job: tuple) -> dict:
+    arm, *rest = job
+    result = surrogate_session(tuple(rest))
+    result["arm"] = arm
+    return result
+
+
+def improvement(result: dict, k: int) -> float:
+    """The baseline's true val_bpb minus the true val_bpb of the best kept after k runs (0: nothing kept)."""
+    values = [v for v in result["best_true"][:k] if v is not None]
+    return values[0] - values[-1] if values else 0.0
+
+
+def quartiles(values: list[float]) -> str:
+    q = statistics.quantiles(values, n=4) if len(values) > 1 else values * 3
+    return f"{statistics.median(values):.4f} [{q[0]:.4f}, {q[2]:.4f}]"
+
+
+def report(args, results: list[dict], wall: float) -> None:
+    from scipy.stats import wilcoxon
+
+    checkpoints = [k for k in (int(c) for c in args.checkpoints.split(",")) if k <= args.runs]
+    print(
+        f"\n{args.surrogate.name}: {args.seeds} paired seeds x {args.runs} runs per arm, methods {args.methods}"
+        + (f", drift +-{args.drift:g} baseline sd over {args.period} runs" if args.drift else "")
+        + f"; {wall:.0f} s"
+    )
+    for method in args.methods.split(","):
+        by = {
+            arm: sorted((r for r in results if r["arm"] == arm and r["method"] == method), key=lambda r: r["seed"])
+            for arm in ARMS
+        }
+        print(f"\n{method}: true improvement (baseline minus kept best, noise-free), median [quartiles]")
+        print(f"{'arm':9s} " + " ".join(f"{'after ' + str(k) + ' runs':>26s}" for k in checkpoints))
+        for arm, runs in by.items():
+            print(f"{arm:9s} " + " ".join(f"{quartiles([improvement(r, k) for r in runs]):>26s}" for k in checkpoints))
+        for k in checkpoints:
+            a = [improvement(r, k) for r in by["autoloop"]]
+            b = [improvement(r, k) for r in by["upstream"]]
+            diff = [x - y for x, y in zip(a, b)]
+            p = wilcoxon(a, b, alternative="greater").pvalue if any(diff) else 1.0
+            ratio = statistics.median(a) / statistics.median(b) if statistics.median(b) > 0 else float("inf")
+            print(
+                f"after {k:3d} runs: autoloop better on {sum(d > 0 for d in diff)}/{len(diff)} seeds (worse on "
+                f"{sum(d < 0 for d in diff)}), median difference {statistics.median(diff):+.4f}, ratio of medians "
+                f"{ratio:.2f}, Wilcoxon one-sided p = {p:.3g}"
+            )
+        for arm, runs in by.items():
+            keeps = [k for r in runs for k in r["keeps"] if k[0] is not None]
+            false = sum(after >= before for before, after in keeps)
+            ideas = sum(len(r["candidates"]) for r in runs)
+            print(
+                f"{arm:9s} keeps {len(keeps)}, false keeps {false} ({100 * false / max(1, len(keeps)):.0f}%), "
+                f"ideas judged per 100 runs {100 * ideas / (len(runs) * args.runs):.1f}"
+            )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--surrogate", type=Path, required=True, help="a fitted surrogate (.npz)")
+    ap.add_argument("--profile", default="tiny", choices=["gpu", "cpu", "tiny"])
+    ap.add_argument("--methods", default="search", help="comma-separated proposers (search, tpe, ...)")
+    ap.add_argument("--seeds", type=int, default=20)
+    ap.add_argument("--first-seed", type=int, default=0)
+    ap.add_argument("--runs", type=int, default=100, help="runs' worth of compute per session")
+    ap.add_argument("--checkpoints", default="30,100,300", help="report the improvement after these many runs")
+    ap.add_argument("--drift", type=float, default=0.0, help="a drifting machine: amplitude in baseline sd")
+    ap.add_argument("--period", type=int, default=40, help="the drift's period, in runs")
+    ap.add_argument("--jobs", type=int, default=1, help="sessions at once")
+    ap.add_argument("--out", type=Path, default=None, help="also write the raw results as JSON here")
+    args = ap.parse_args()
+    if args.seeds < 1 or args.runs < 2 or args.period < 1 or args.jobs < 1:
+        ap.error("--seeds, --period and --jobs must be 1 or more and --runs 2 or more")
+    if not args.surrogate.exists():
+        ap.error(f"no surrogate at {args.surrogate} (benchmarks/surrogate/ holds the fitted ones)")
+    from model import Surrogate
+
+    from orchestrator.proposers.space import read_space
+
+    _, default = read_space((ROOT / "train.py").read_text(), args.profile)
+    baseline_sd = float(Surrogate.load(args.surrogate).predict([default])[1][0])
+    drift = (args.drift * baseline_sd, args.period)
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp, ProcessPoolExecutor(args.jobs, initializer=die_with_parent) as pool:
+        jobs = [
+            (arm, str(args.surrogate.resolve()), args.profile, method, gate, seed, args.runs, tmp, 1.0, None, drift)
+            for seed in range(args.first_seed, args.first_seed + args.seeds)
+            for method in args.methods.split(",")
+            for arm, gate in ARMS.items()
+        ]
+        jobs = [(j[0], *j[1:5], j[5], j[6], str(Path(tmp) / j[0]), *j[8:]) for j in jobs]
+        for arm in ARMS:
+            (Path(tmp) / arm).mkdir()
+        results = list(pool.map(session, jobs))
+    report(args, results, time.monotonic() - t0)
+    if args.out:
+        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
