@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import statistics
 
+import fakes
 import pytest
 from conftest import TESTS, cli, make_repo, subprocess_env
 
@@ -117,3 +119,177 @@ def test_report_status_and_console_agree_with_the_branch_tip(tmp_path):
     assert report["best_bpb"] == pytest.approx(status["best_bpb"]) == pytest.approx(float(summary.group(2)))
     assert report["baseline_bpb"] == pytest.approx(status["baseline_bpb"]) == pytest.approx(float(summary.group(1)))
     assert report["best_bpb"] > lowest_kept  # the best is the branch tip, not the lowest kept row
+
+
+# --- progress.png: the gate's view ------------------------------------------------------------------------------
+
+
+def scripted(counter, values: list[float]) -> str:
+    """A fake train.py whose k-th run reports values[k] (its counter outside the repo)."""
+    return (
+        f"import os\np = {str(counter)!r}\nk = int(open(p).read()) if os.path.exists(p) else 0\n"
+        'open(p, "w").write(str(k + 1))\n'
+        + fakes.ok(1.0).replace("BPB = 1.0", f"BPB = {values!r}[min(k, {len(values) - 1})]")
+    )
+
+
+def artists(fig) -> dict:
+    """The plot's scatters, lines and bands by their legend label."""
+    ax = fig.axes[0]
+    return {a.get_label(): a for a in [*ax.collections, *ax.lines]}
+
+
+def test_progress_draws_repeats_of_the_best_as_repeats_and_the_best_as_its_mean(fake_repo, plan, tmp_path):
+    """A night's pattern: the best's first run was lucky (0.98), its repeats say 1.01. The repeats are drawn as
+    runs of the best, not as discarded ideas, and the running best is the best's mean (what the gate compared
+    ideas with), ± its standard error, not the lucky run."""
+    import matplotlib.pyplot as plt
+
+    from orchestrator.core.state import load_state
+    from orchestrator.loop import Settings, run_loop
+    from orchestrator.store.session import Paths
+    from orchestrator.views.report import AGAIN, DISCARDED, KEPT, figure, running_best
+
+    values = [0.98, 1.02, 1.01, 1.03]
+    repo = fake_repo(scripted(tmp_path / "count", values))
+    plan([{"description": "worse", "train": fakes.ok(1.2)}])
+    settings = Settings(repo=repo, tag="r", budget=1.0, timeout=20.0, proposer="fakes:Scripted", baseline_repeats=3)
+    run_loop(settings, echo=lambda _: None)
+    paths = Paths(repo, "r")
+    state = load_state(paths)
+    assert [r.gate.decision for r in state.records] == ["keep", "repeat", "repeat", "repeat", "discard"]
+    fig = figure(paths)
+    drawn = artists(fig)
+    assert [x for x, _ in drawn[AGAIN].get_offsets()] == [2, 3, 4]  # the best's repeats
+    assert [x for x, _ in drawn[DISCARDED].get_offsets()] == [5] and [x for x, _ in drawn[KEPT].get_offsets()] == [1]
+    mean = sum(values) / 4
+    line = drawn["best: mean of its runs"]
+    assert list(line.get_ydata()) == pytest.approx([0.98, 1.0, 3.01 / 3, mean, mean, mean])
+    assert state.best_bpb == pytest.approx(mean) and line.get_ydata()[-1] == pytest.approx(state.best_bpb)
+    se = statistics.stdev(values) / 2
+    assert running_best(state.records, state.start_commit)[-1] == (5, pytest.approx(mean), pytest.approx(se))
+    band = drawn["± standard error"].get_paths()[0].vertices
+    last = band[band[:, 0] >= 5][:, 1]
+    assert (last.min(), last.max()) == (pytest.approx(mean - se), pytest.approx(mean + se))
+    plt.close(fig)
+
+
+def test_progress_labels_are_short_and_inside_the_axes(fake_repo, plan, tmp_path):
+    """Kept ideas with long descriptions: five close together (their labels would cover each other), the last
+    kept by the last run at the lowest value (the corner where a label runs off the figure). Each label is cut
+    short, lies inside the axes of the saved figure, and covers no other."""
+    import matplotlib.pyplot as plt
+
+    from orchestrator.core.noise import Gate
+    from orchestrator.loop import Settings, run_loop
+    from orchestrator.store.session import Paths
+    from orchestrator.views.report import LABEL_CHARS, figure
+
+    long = "lower the learning rate of the matrices and warm it up for longer, with a cosine schedule after it"
+    repo = fake_repo(fakes.ok(1.0))
+    values = [0.999, 0.998, 0.997, 0.996, 0.995, 0.6]
+    plan([{"description": f"{i}: {long}", "train": fakes.ok(v)} for i, v in enumerate(values, start=1)])
+    settings = Settings(
+        repo=repo, tag="l", budget=1.0, timeout=20.0, proposer="fakes:Scripted", baseline_repeats=0, gate=Gate("strict")
+    )
+    run_loop(settings, echo=lambda _: None)
+    fig = figure(Paths(repo, "l"))
+    fig.savefig(tmp_path / "progress.png")
+    renderer = fig.canvas.get_renderer()
+    ax = fig.axes[0]
+    inside = ax.get_window_extent(renderer)
+    labels = ax.texts
+    assert [t.get_text()[:2] for t in labels] == ["1:", "2:", "3:", "4:", "5:", "6:"]
+    for label in labels:
+        box = label.get_window_extent(renderer)
+        assert len(label.get_text()) == LABEL_CHARS and label.get_text().endswith("…")
+        assert inside.x0 <= box.x0 and box.x1 <= inside.x1 and inside.y0 <= box.y0 and box.y1 <= inside.y1, label
+        assert fig.bbox.contains(box.x0, box.y0) and fig.bbox.contains(box.x1, box.y1)
+    boxes = [t.get_window_extent(renderer) for t in labels]
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1 :])
+    plt.close(fig)
+
+
+# --- the night's value against its compute ----------------------------------------------------------------------
+
+
+def hand_made_session(repo) -> None:
+    """Nine runs, each training half an hour in a 40-minute run (one crash: a quarter of an hour of training): the baseline
+    and its repeat; idea A discarded; idea B inside the margin, then kept on its second run, then repeated; idea C
+    crashed; idea D slowed from outside (not judged); idea E inside the margin, still pending. Held-out: 1.10 -> 1.04."""
+    from orchestrator.core.judge import row_of
+    from orchestrator.store.ledger import Evidence, Record, append_row, write_record
+    from orchestrator.store.session import Paths
+
+    paths = Paths(repo, "h")
+    runs = [  # (description, group, status, val_bpb, decision, disturbed)
+        ("baseline", 1, "keep", 1.00, "keep", ""),
+        ("baseline (repeat 2/2)", 1, "discard", 1.02, "repeat", ""),
+        ("A", 3, "discard", 1.05, "discard", ""),
+        ("B", 4, "discard", 0.95, "rerun", ""),
+        ("B (repeat 2/3)", 4, "keep", 0.93, "keep", ""),
+        ("C", 6, "crash", None, "", ""),
+        ("D", 7, "discard", 0.99, "discard", "disturbed: steps per second 50% of its twins' median"),
+        ("parent (repeat: confirmation)", 4, "discard", 0.94, "repeat", ""),
+        ("E", 9, "discard", 0.92, "rerun", ""),
+    ]
+    for n, (description, group, status, bpb, decision, disturbed) in enumerate(runs, start=1):
+        started = 2400.0 * (n - 1)
+        record = Record(
+            n=n,
+            status=status,
+            description=description,
+            commit=f"{n:07d}" + "a" * 33,
+            val_bpb=bpb,
+            started=started,
+            ended=started + 2400.0,
+            timings={"propose": 60.0, "train": 900.0 if status == "crash" else 1800.0},
+            group=group,
+            gate=Evidence(decision, disturbed=disturbed),
+            device="cpu",
+        )
+        paths.run_dir(n).mkdir(parents=True)
+        write_record(paths.run_dir(n), record)
+        append_row(paths.ledger, row_of(record))
+    baseline = {"n": 1, "commit": "1" * 40, "holdout_bpb": 1.10, "val_bpb": 1.01}
+    best = {"n": 5, "commit": "5" * 40, "holdout_bpb": 1.04, "val_bpb": 0.94}
+    (paths.state / "holdout.json").write_text(json.dumps({"baseline": baseline, "best": best}))
+    (paths.state / "status.json").write_text(json.dumps({"phase": "finished", "tag": "h"}))
+
+
+def test_report_improvement_per_training_hour_and_ideas_judged_per_hour(tmp_path):
+    """On a session made by hand: 4.25 training hours in 6 hours of runs (9 × 40 minutes); the baseline's mean
+    1.01 -> the best's 0.94 (0.07) on validation, 1.10 -> 1.04 (0.06) held out; ideas judged: A and B (C crashed,
+    D was not judged, E is pending)."""
+    from orchestrator.core.settings import Settings
+    from orchestrator.core.state import load_state
+    from orchestrator.core.workspace import Workspace
+    from orchestrator.store.session import Paths
+    from orchestrator.trackers.base import session_totals
+
+    repo = tmp_path / "repo"
+    make_repo(repo, {"README.md": "a session made by hand\n"})
+    hand_made_session(repo)
+    f = json.loads(autoloop("report", "--repo", str(repo), "--json").stdout)
+    assert (f["baseline_bpb"], f["best_bpb"]) == (pytest.approx(1.01), pytest.approx(0.94))
+    assert (f["hours"], f["training_hours"]) == (pytest.approx(6.0), pytest.approx(4.25))
+    assert f["val_improvement_per_training_hour"] == pytest.approx(0.07 / 4.25)
+    assert f["holdout_improvement"] == pytest.approx(0.06)
+    assert f["holdout_improvement_per_training_hour"] == pytest.approx(0.06 / 4.25)
+    assert f["ideas_judged"] == 2 and f["ideas_judged_per_hour"] == pytest.approx(2 / 6.0)
+    assert f["training_on_gpu"] is False
+
+    out = tmp_path / "out"
+    assert autoloop("report", "--repo", str(repo), "--out", str(out)).returncode == 0
+    md = (out / "report.md").read_text()
+    assert "- time: 6.00 h, of which training 4.25 h" in md
+    assert (
+        "- improvement per training hour (CPU): 0.014118 bpb on the held-out split, 0.016471 on validation "
+        "(baseline minus best)" in md
+    )
+    assert "- ideas judged: 2 (0.3 per hour)" in md
+
+    totals = session_totals(Workspace(Settings(repo=repo, tag="h"), lambda _: None), load_state(Paths(repo, "h")))
+    assert totals["training_hours"] == pytest.approx(4.25) and totals["ideas_judged"] == 2
+    assert totals["holdout_improvement_per_training_hour"] == pytest.approx(0.06 / 4.25)
+    assert totals["ideas_judged_per_hour"] == pytest.approx(2 / 6.0)

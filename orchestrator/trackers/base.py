@@ -206,9 +206,12 @@ class Backend:
 
 
 def session_totals(ws: Workspace, state: State) -> dict[str, object]:
-    """The session's counts, baseline and spend (the proposer's every request, from the spend ledger): the parent
-    run's tags (MLflow), summary (W&B) or text (TensorBoard); its metrics are the series val_bpb and best_val_bpb
-    by experiment."""
+    """The session's counts, baseline, spend (the proposer's every request, from the spend ledger) and what it
+    bought with its compute (`autoloop report`'s improvement per training hour and ideas judged per hour): the
+    parent run's tags (MLflow), summary (W&B) or text (TensorBoard); its metrics are the series val_bpb and
+    best_val_bpb by experiment."""
+    from ..views.report import read_holdout, value  # pandas: only when a tracker is on
+
     counts = {s.value: sum(r.status == s for r in state.records) for s in Status}
     return {
         "experiments": state.done,
@@ -216,6 +219,7 @@ def session_totals(ws: Workspace, state: State) -> dict[str, object]:
         "baseline_val_bpb": state.baseline_bpb,
         "llm_tokens": ws.spend.tokens,
         "llm_cost_usd": ws.spend.cost,
+        **value(state, read_holdout(ws.paths)),
     }  # best_val_bpb: the last of its history
 
 

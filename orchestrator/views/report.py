@@ -6,17 +6,26 @@ Reads only the ledger and the run records, so it works on any past session and o
 from __future__ import annotations
 
 import json
+import math
+import statistics
 import subprocess
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pandas as pd
 
-from ..core.state import load_state
-from ..store.ledger import read_record
+from ..core.state import Decision, State, Status, group_of, load_state, replay
+from ..store.ledger import Record, read_record
 from ..store.session import Paths
 from ..store.spend import Spend
 from ..trust.evaluation import holdout_text
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+    from matplotlib.text import Annotation
+    from matplotlib.transforms import Bbox
 
 
 def load(paths: Paths) -> pd.DataFrame:
@@ -28,7 +37,6 @@ def load(paths: Paths) -> pd.DataFrame:
 
 def facts(paths: Paths) -> dict:
     df = load(paths)
-    records = {n: read_record(paths.run_dir(n)) for n in df["n"]}
     kept = df[df["status"] == "keep"]
     state = load_state(paths)  # best = the branch tip, as the loop, the console and `autoloop status` have it
     baseline, best = state.baseline_bpb, state.best_bpb
@@ -46,19 +54,15 @@ def facts(paths: Paths) -> dict:
             }
         )
         previous = min(previous, float(row["val_bpb"]))
-    crash_reasons = Counter()
-    for n in df[df["status"] == "crash"]["n"]:
-        rec = records.get(n)
-        reason = (rec.reason if rec and rec.reason else "unknown").split(":")[0]
-        crash_reasons[reason] += 1
-    seconds = sum((r.ended - r.started) for r in records.values() if r and r.ended)
-    train_s = sum(r.timings.get("train", 0.0) for r in records.values() if r)
+    crash_reasons: Counter[str] = Counter()
+    for r in state.records:
+        if r.status == Status.CRASH:
+            crash_reasons[(r.reason or "unknown").split(":")[0]] += 1
     spend = Spend(paths.spend)  # every request, whether its idea ran or not
     tokens, cost = spend.tokens, spend.cost
     if not paths.spend.exists():  # a session from before the spend ledger: what its records carry
-        tokens = sum(int(r.info.get("usage", {}).get("total_tokens", 0)) for r in records.values() if r)
-        cost = sum(float(r.info.get("usage", {}).get("cost", 0.0)) for r in records.values() if r)
-    holdout_path = paths.state / "holdout.json"
+        tokens, cost = state.usage()
+    holdout = read_holdout(paths)
     return {
         "tag": paths.tag,
         "experiments": len(df),
@@ -73,60 +77,224 @@ def facts(paths: Paths) -> dict:
         "delta_percent": 100 * (best - baseline) / baseline if best is not None and baseline else None,
         "top_improvements": sorted(improvements, key=lambda i: i["delta"])[:10],
         "crash_reasons": dict(crash_reasons.most_common()),
-        "hours": seconds / 3600,
-        "training_hours": train_s / 3600,
+        **value(state, holdout),
         "llm_tokens": tokens,
         "llm_cost": cost,
-        "holdout": json.loads(holdout_path.read_text()) if holdout_path.exists() else None,
+        "holdout": holdout,
     }
 
 
+def read_holdout(paths: Paths) -> dict | None:
+    """holdout.json (the held-out check: core/holdout.py), or None before a check was made."""
+    path = paths.state / "holdout.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The night's value against its compute
+
+
+def value(state: State, holdout: dict | None) -> dict:
+    """What the session bought with its compute. An improvement is the baseline's val_bpb minus the best's (bits
+    per byte; positive when the best is better), per training hour (GPU-hours on GPUs: each run trains on one);
+    the held-out one once the held-out check was made. The pace: candidate ideas the gate decided per hour."""
+    hours = sum(r.ended - r.started for r in state.records if r.ended) / 3600
+    training = sum(training_seconds(r) for r in state.records) / 3600
+    on_validation = (
+        state.baseline_bpb - state.best_bpb if state.baseline_bpb is not None and state.best_bpb is not None else None
+    )
+    held_out = holdout_improvement(holdout)
+    judged = ideas_judged(state)
+    return {
+        "hours": hours,
+        "training_hours": training,
+        "training_on_gpu": any(r.device not in ("", "cpu") for r in state.records),
+        "val_improvement_per_training_hour": per_hour(on_validation, training),
+        "holdout_improvement": held_out,
+        "holdout_improvement_per_training_hour": per_hour(held_out, training),
+        "ideas_judged": judged,
+        "ideas_judged_per_hour": per_hour(judged, hours),
+    }
+
+
+def training_seconds(record: Record) -> float:
+    """The run's training time (its whole time for a record from before the phases were timed)."""
+    if not record.timings:
+        return record.ended - record.started if record.ended else 0.0
+    return float(record.timings.get("train", 0.0))
+
+
+def holdout_improvement(holdout: dict | None) -> float | None:
+    """The baseline's held-out bits per byte minus the best's, or None without a complete check."""
+    if not holdout or holdout.get("error"):
+        return None
+    return holdout["baseline"]["holdout_bpb"] - holdout["best"]["holdout_bpb"]
+
+
+def ideas_judged(state: State) -> int:
+    """Candidate configurations the gate decided, kept or discarded: not the baseline, a crash, one still being
+    run again, nor one left unjudged because another process slowed its run."""
+    decided = {
+        group_of(r)
+        for r in state.records
+        if (r.gate.decision or r.status) in (Decision.KEEP, Decision.DISCARD) and not r.gate.disturbed
+    }
+    return len(decided - {state.baseline_group})
+
+
+def per_hour(amount: float | None, hours: float) -> float | None:
+    return amount / hours if amount is not None and hours > 0 else None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# progress.png: the session as the gate saw it
+
+KEPT, DISCARDED, AGAIN = "kept", "discarded idea", "repeat, rerun, confirmation"
+STYLE = {  # how each kind of run is drawn
+    KEPT: {"s": 40, "color": "#1f77b4", "zorder": 4},
+    DISCARDED: {"s": 14, "color": "#b0b0b0", "zorder": 2},
+    AGAIN: {"s": 22, "marker": "D", "facecolors": "none", "edgecolors": "#ff7f0e", "zorder": 3},
+}
+LABEL_CHARS = 36  # a kept idea's label: its description cut to this many characters
+DPI = 120
+
+
 def plot(paths: Paths, out: Path) -> Path:
-    """progress.png: every non-crash run as a point, kept ones labelled, the running best as a step line."""
+    """progress.png: figure(), saved."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(paths)
+    fig.savefig(out, dpi=DPI)
+    plt.close(fig)
+    return out
+
+
+def figure(paths: Paths) -> Figure:
+    """Every non-crash run as a point (kept, a discarded idea, or a run again of a configuration: a repeat of the
+    best, a rerun or confirmation of a candidate), kept ideas labelled, the best's mean over its counted runs after
+    each run with ± its standard error (what the gate compared ideas with), and the baseline's mean."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    df = load(paths)
-    ok = df[df["status"] != "crash"]
-    kept = df[df["status"] == "keep"]
-    fig, ax = plt.subplots(figsize=(12, 6))
-    ax.scatter(ok["n"], ok["val_bpb"], s=14, color="#b0b0b0", label="discarded", zorder=2)
-    ax.scatter(kept["n"], kept["val_bpb"], s=40, color="#1f77b4", label="kept", zorder=3)
-    if len(kept):
-        best = kept["val_bpb"].cummin()
-        ax.step(
-            list(kept["n"]) + [df["n"].max()],
-            list(best) + [best.iloc[-1]],
-            where="post",
-            color="#1f77b4",
-            linewidth=1.5,
-            label="running best",
-        )
-        ax.axhline(kept["val_bpb"].iloc[0], color="#d62728", linestyle="--", linewidth=1, label="baseline")
-        for _, row in kept.iloc[1:].iterrows():
-            ax.annotate(
-                row["description"][:40],
-                (row["n"], row["val_bpb"]),
-                textcoords="offset points",
-                xytext=(4, -10),
-                fontsize=7,
-                rotation=-20,
-                color="#1f4f7f",
-            )
-        span = ok["val_bpb"].quantile(0.95) - kept["val_bpb"].min()
-        ax.set_ylim(kept["val_bpb"].min() - 0.1 * span, ok["val_bpb"].quantile(0.95) + 0.1 * span)
+    state = load_state(paths)
+    runs = [r for r in state.records if r.status != Status.CRASH and r.val_bpb is not None]
+    fig, ax = plt.subplots(figsize=(12, 6), dpi=DPI)
+    for kind, style in STYLE.items():
+        mine = [r for r in runs if kind_of(r) == kind]
+        if mine:
+            ax.scatter([r.n for r in mine], [r.bpb for r in mine], label=kind, **style)  # type: ignore[arg-type]
+    best = running_best(state.records, state.start_commit)
+    if best:
+        draw_best(ax, best)
+    if state.baseline_bpb is not None:
+        ax.axhline(state.baseline_bpb, color="#d62728", linestyle="--", linewidth=1, label="baseline (mean)")
+    if runs:
+        set_ylim(ax, runs, best)
     ax.set_xlabel("experiment")
     ax.set_ylabel("val_bpb (lower is better)")
-    crashes = int((df["status"] == "crash").sum())
-    ax.set_title(f"autoloop {paths.tag}: {len(df)} experiments, {len(kept)} kept, {crashes} crashed")
+    kept, crashes = sum(r.status == Status.KEEP for r in state.records), state.done - len(runs)
+    ax.set_title(f"autoloop {paths.tag}: {state.done} experiments, {kept} kept, {crashes} crashed")
     ax.grid(alpha=0.3)
-    ax.legend(loc="upper right")
+    ax.legend(loc="best", fontsize=8)
+    labels = label_kept(ax, state, runs)
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    place_labels(fig, ax, labels)
+    return fig
+
+
+def kind_of(record: Record) -> str:
+    """A run again of a configuration counts towards its mean: it is no idea of its own."""
+    if record.status == Status.KEEP:
+        return KEPT
+    again = (Decision.REPEAT, Decision.RERUN, Decision.CONFIRMING)
+    return AGAIN if group_of(record) != record.n or record.gate.decision in again else DISCARDED
+
+
+def running_best(records: list[Record], start: str) -> list[tuple[int, float, float]]:
+    """(n, the best's mean, its standard error) after each run, from the state the loop rebuilt then: the mean the
+    gate compared candidates with, not the lowest run (one lucky run is not what later ideas had to beat)."""
+    state, points = replay([], start), []
+    for record in records:
+        state.add(record)
+        if state.best_bpb is not None:
+            values = state.comparator() or state.runs(state.best_group)  # as best_bpb: fresh runs once any
+            se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
+            points.append((record.n, state.best_bpb, se))
+    return points
+
+
+def draw_best(ax: Axes, best: list[tuple[int, float, float]]) -> None:
+    """The best's mean as a step line (held until the next run), its standard error as a band; the last step is
+    drawn half a run on, so that a best kept by the last run shows."""
+    steps = best + best[-1:]
+    xs: list[float] = [n for n, _, _ in steps]
+    xs[-1] += 0.5
+    means, low, high = [m for _, m, _ in steps], [m - se for _, m, se in steps], [m + se for _, m, se in steps]
+    colour = STYLE[KEPT]["color"]
+    ax.step(xs, means, where="post", color=colour, linewidth=1.5, label="best: mean of its runs")
+    if any(se for _, _, se in best):
+        ax.fill_between(xs, low, high, step="post", color=colour, alpha=0.15, linewidth=0, label="± standard error")
+
+
+def set_ylim(ax: Axes, runs: list[Record], best: list[tuple[int, float, float]]) -> None:
+    """From the lowest run (or band) to the 95th percentile of the runs (a diverged idea would flatten the rest),
+    every kept run included."""
+    values = pd.Series([r.bpb for r in runs])
+    kept = [r.bpb for r in runs if r.status == Status.KEEP]
+    low = min([values.min()] + [m - se for _, m, se in best])
+    high = max([values.quantile(0.95)] + kept)
+    pad = 0.1 * (high - low) or 0.01
+    ax.set_ylim(low - pad, high + pad)
+
+
+def label_kept(ax: Axes, state: State, runs: list[Record]) -> list[Annotation]:
+    """Each kept idea's description (its first run's), cut to LABEL_CHARS, below and right of its point."""
+    by_n = {r.n: r for r in state.records}
+    labels = []
+    for r in runs:
+        if r.status == Status.KEEP and group_of(r) != state.baseline_group:
+            label = ax.annotate(
+                shorten(by_n[group_of(r)].description, LABEL_CHARS),
+                (r.n, r.bpb),
+                textcoords="offset points",
+                xytext=(6, -4),
+                va="top",
+                fontsize=7,
+                color="#1f4f7f",
+            )
+            label.set_in_layout(False)  # placed after the layout (place_labels): it must not shrink the axes
+            labels.append(label)
+    return labels
+
+
+def shorten(text: str, width: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 1].rstrip() + "…"
+
+
+def place_labels(fig: Figure, ax: Axes, labels: list[Annotation]) -> None:
+    """Move each label below the earlier ones it would cover, then into the axes if it pokes out of them."""
+    renderer = fig.canvas.get_renderer()  # type: ignore[attr-defined]
+    box = ax.get_window_extent(renderer).padded(-3)
+    placed: list[Bbox] = []
+    for label in labels:
+        for other in placed:
+            text = label.get_window_extent(renderer)
+            if text.overlaps(other):
+                move(label, fig, 0, other.y0 - text.y1 - 2)
+        text = label.get_window_extent(renderer)
+        dx = max(box.x0 - text.x0, 0) + min(box.x1 - text.x1, 0)
+        dy = max(box.y0 - text.y0, 0) + min(box.y1 - text.y1, 0)
+        move(label, fig, dx, dy)
+        placed.append(label.get_window_extent(renderer))
+
+
+def move(label: Annotation, fig: Figure, dx: float, dy: float) -> None:
+    """Shift a label by (dx, dy) pixels (its offset is in points)."""
+    x, y = label.xyann
+    label.xyann = (x + dx * 72 / fig.dpi, y + dy * 72 / fig.dpi)
 
 
 def cumulative_diff(paths: Paths, repo: Path, f: dict) -> str:
@@ -151,6 +319,7 @@ def markdown(f: dict, diff: str, image: str | None) -> str:
         f"- experiments: {f['experiments']} ({f['keep']} keep, {f['discard']} discard, {f['crash']} crash); "
         f"keep rate {100 * f['keep_rate']:.1f}%",
         f"- time: {f['hours']:.2f} h, of which training {f['training_hours']:.2f} h",
+        *value_lines(f),
     ]
     if f["llm_tokens"]:
         lines.append(f"- LLM: {f['llm_tokens']} tokens, ${f['llm_cost']:.2f}")
@@ -168,6 +337,23 @@ def markdown(f: dict, diff: str, image: str | None) -> str:
     if diff:
         lines += ["", "## Baseline -> best (train.py)", "", "```diff", diff.rstrip(), "```"]
     return "\n".join(lines) + "\n"
+
+
+def value_lines(f: dict) -> list[str]:
+    """The report's lines on what the night bought: the improvement per training hour, the ideas judged."""
+    unit = "GPU-hour" if f["training_on_gpu"] else "training hour (CPU)"
+    lines = []
+    if f["val_improvement_per_training_hour"] is not None:
+        held_out = (
+            f"{f['holdout_improvement_per_training_hour']:.6f} bpb on the held-out split, "
+            if f["holdout_improvement_per_training_hour"] is not None
+            else ""
+        )
+        on_validation = f"{f['val_improvement_per_training_hour']:.6f}{' bpb' if not held_out else ''} on validation"
+        lines.append(f"- improvement per {unit}: {held_out}{on_validation} (baseline minus best)")
+    pace = f" ({f['ideas_judged_per_hour']:.1f} per hour)" if f["ideas_judged_per_hour"] is not None else ""
+    lines.append(f"- ideas judged: {f['ideas_judged']}{pace}")
+    return lines
 
 
 def write_report(paths: Paths, repo: Path, out_dir: Path) -> dict:
