@@ -457,6 +457,9 @@ def make_optimizers(model, dtype):
 # different learning rates, and runs of one configuration drifted apart. A run slowed later stops at OVERRUN.
 CALIBRATION = 0.1
 OVERRUN = 1.02
+# A progress line at (the last step at or before) each 1/CURVE_POINTS of the planned steps, besides one a second:
+# the controller keeps the loss at fixed fractions of the schedule in the run's record, for short runs too.
+CURVE_POINTS = 20
 
 
 def lr_multiplier(progress):
@@ -466,6 +469,13 @@ def lr_multiplier(progress):
         return 1.0
     cooldown = (1.0 - progress) / WARMDOWN_RATIO
     return cooldown + (1 - cooldown) * FINAL_LR_FRAC
+
+
+def last_step_before_point(steps_done, planned):
+    """Is the step that completes `steps_done` of the `planned` steps the last one at or before a multiple of
+    1/CURVE_POINTS of them? (in integers: no rounding decides it)"""
+    point = -(-CURVE_POINTS * steps_done // planned)  # the first multiple at or after steps_done/planned
+    return point * planned < CURVE_POINTS * (steps_done + 1)
 
 
 def muon_momentum(step):
@@ -578,14 +588,21 @@ def main():
             print(f"schedule: {planned_steps} steps ({per_step * 1000:.0f}ms per step over the first "
                   f"{len(step_times)})", flush=True)
         finished = step - startup_steps >= planned_steps if planned_steps else training_time >= TIME_BUDGET
-        if time.time() - last_print >= 1.0 or finished:
+        stop = step > startup_steps and (finished or training_time >= OVERRUN * TIME_BUDGET)
+        # the share of the schedule done with this step: of the planned steps, or until they are known, of the budget
+        if planned_steps:
+            share_done = min((step - startup_steps) / planned_steps, 1.0)
+            at_point = last_step_before_point(step - startup_steps, planned_steps)
+        else:
+            share_done, at_point = min(training_time / TIME_BUDGET, 1.0), False
+        if time.time() - last_print >= 1.0 or finished or stop or at_point:
             last_print = time.time()
             tok_per_s = tokens_per_step / dt
             mfu = 100 * flops_per_token * tok_per_s / peak
-            print(f"step {step:05d} ({100 * progress:.1f}%) | loss: {debiased:.6f} | dt: {dt * 1000:.0f}ms "
+            print(f"step {step:05d} ({100 * share_done:.1f}%) | loss: {debiased:.6f} | dt: {dt * 1000:.0f}ms "
                   f"| tok/sec: {tok_per_s:,.0f} | mfu: {mfu:.1f}% | epoch: {epoch} "
                   f"| remaining: {max(0.0, TIME_BUDGET - training_time):.0f}s", flush=True)
-        if step > startup_steps and (finished or training_time >= OVERRUN * TIME_BUDGET):
+        if stop:
             break
 
     memory_mb, memory_kind = peak_memory_mb(device)  # the training peak, before evaluation adds its own

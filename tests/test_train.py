@@ -12,6 +12,7 @@ import sys
 import pytest
 from conftest import ROOT
 
+from orchestrator.core.progress import parse_curve
 from orchestrator.trust.summary import SUMMARY_KEYS, parse_summary, val_bpb_of
 
 
@@ -65,6 +66,39 @@ def test_smoke_run_prints_the_summary_contract(smoke):
 @pytest.mark.slow
 def test_smoke_run_reports_progress(smoke):
     assert re.search(r"^step \d{5} \(\d+\.\d%\) \| loss: \d+\.\d+", smoke.stdout, re.M)
+
+
+@pytest.mark.slow
+def test_smoke_run_prints_progress_at_each_twentieth_of_its_planned_steps(smoke):
+    """Besides a line a second, one at (the last step at or before) each 5% of the planned steps: a run of
+    seconds has a loss curve in its record too (orchestrator/core/progress.py: parse_curve)."""
+    schedule = re.search(r"^schedule: (\d+) steps", smoke.stdout, re.M)
+    if schedule is None:  # the 2 s budget ran out within its first 4 steps: nothing was planned
+        assert "planned_steps:    0" in smoke.stdout, smoke.stdout[-3000:]
+        pytest.skip("the smoke run never planned its steps (a starved machine)")
+    planned = int(schedule.group(1))
+    after = smoke.stdout[smoke.stdout.index("\nschedule: ") :]
+    pcts = [float(p) for p in re.findall(r"^step \d{5} \((\d+\.\d)%\) \| loss: \d+\.\d{6} ", after, re.M)]
+    assert pcts and pcts == sorted(pcts), pcts
+    # each multiple of 5% the run went past has a line at most a step before it (on a starved machine the 2 s run
+    # may plan only a few steps: then there are few multiples to check)
+    for point in range(5, 101, 5):
+        if pcts[0] <= point <= pcts[-1]:
+            assert any(point - 100 / planned - 0.05 <= p <= point for p in pcts), (point, planned, pcts)
+    assert parse_curve(smoke.stdout)
+
+
+def test_the_progress_lines_fall_on_the_last_step_at_or_before_each_twentieth(tiny_env):
+    """Which steps print a line besides the one-a-second ones: for any number of planned steps, exactly the last
+    step at or before each multiple of 5% of them (a multiple it lands on exactly included)."""
+    code = """
+import json, train
+print(json.dumps({p: [k for k in range(p + 1) if train.last_step_before_point(k, p)] for p in range(1, 400)}))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=tiny_env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for planned, steps in json.loads(proc.stdout).items():
+        assert steps == sorted({m * int(planned) // 20 for m in range(21)}), planned
 
 
 SXM, PCIE, NVL = (989e12, 494.7e12, 66.9e12), (756e12, 378e12, 51.2e12), (835e12, 417.5e12, 60e12)

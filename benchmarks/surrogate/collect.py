@@ -9,8 +9,10 @@ Three kinds of configurations, over the ranges train.py declares for the profile
 
 Runs are interleaved in a seeded random order (drift in the machine's speed hits every kind alike) and
 appended to a CSV as they finish, so an interrupted collection resumes where it stopped. Each row: the
-configuration, val_bpb (empty for a crash), the crash's last line, optimizer steps, training seconds and wall
-time.
+configuration, val_bpb (empty for a crash), the crash's last line, optimizer steps, training seconds, wall
+time, and the training loss curve: loss@0.1 .. loss@1.0, the smoothed loss train.py printed at those fractions
+of its planned steps (orchestrator/core/progress.py: parse_curve; empty where it printed none near one, a
+crash's up to where it failed).
 
     python benchmarks/surrogate/collect.py --profile tiny --budget 10 --out benchmarks/surrogate/tiny-10s.csv
 """
@@ -33,7 +35,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from orchestrator.core.progress import CURVE_KEYS, parse_curve  # noqa: E402
 from orchestrator.proposers.space import Param, apply_changes, read_space, rounded  # noqa: E402
+
+CURVE_COLUMNS = {key: f"loss@{key}" for key in CURVE_KEYS}  # the record's curve key -> the CSV column
 
 
 def from_unit(p: Param, u: float):
@@ -104,9 +109,18 @@ def run_once(workdir: Path, budget: float, profile: str, timeout: float, env: di
         out, code = f"{e.stdout or ''}\ntimeout after {timeout:.0f}s", -9
     found = dict(re.findall(r"^(\w+):\s+(\S+)$", out, re.M))
     wall = time.monotonic() - t0
+    curve = parse_curve(out)
+    losses = {column: curve.get(key, "") for key, column in CURVE_COLUMNS.items()}
     if code or "val_bpb" not in found or not math.isfinite(float(found["val_bpb"])):
         last = next((line for line in reversed(out.strip().splitlines()) if line.strip()), f"exit code {code}")
-        return {"val_bpb": "", "crash": last.strip()[:200], "steps": "", "training_seconds": "", "wall": f"{wall:.1f}"}
+        return {
+            "val_bpb": "",
+            "crash": last.strip()[:200],
+            "steps": "",
+            "training_seconds": "",
+            "wall": f"{wall:.1f}",
+            **losses,
+        }
     return {
         "val_bpb": found["val_bpb"],
         "crash": "",
@@ -114,6 +128,7 @@ def run_once(workdir: Path, budget: float, profile: str, timeout: float, env: di
         "training_seconds": found.get("training_seconds", ""),
         "params_M": found.get("num_params_M", ""),
         "wall": f"{wall:.1f}",
+        **losses,
     }
 
 
@@ -145,11 +160,20 @@ def main() -> int:
         "wall",
         "budget",
         "profile",
+        *CURVE_COLUMNS.values(),
     ]
     done = 0
     if args.out.exists():
         with args.out.open() as f:
-            done = sum(1 for _ in csv.DictReader(f))
+            reader = csv.DictReader(f)
+            done = sum(1 for _ in reader)
+            if reader.fieldnames:  # rows go on under the file's own header (one from before a column was added)
+                if missing := [c for c in fields if c not in reader.fieldnames]:
+                    print(
+                        f"{args.out} predates the columns {', '.join(missing)}: its new rows go without them",
+                        flush=True,
+                    )
+                fields = list(reader.fieldnames)
     else:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         with args.out.open("w", newline="") as f:

@@ -29,7 +29,7 @@ from ..trust.harness import evaluation_data
 from ..trust.summary import environment_error, last_error_line, parse_summary, read_tail, val_bpb_of
 from .pipeline import Prepared
 from .plan import Ideas, as_running, refill
-from .progress import Progress, format_eta, last_step
+from .progress import Progress, format_eta, last_step, read_curve
 from .state import Cause, Crash, Kind, Phase, State, group_of
 
 if TYPE_CHECKING:
@@ -394,6 +394,9 @@ def measure(
     record.exit_code, record.timed_out = train_step.exit_code, train_step.timed_out
     log_text = read_tail(train_step.log)
     record.metrics = parse_summary(log_text)
+    # The loss at fractions of the planned steps, crashed runs' too (where they diverged). It is what the run
+    # printed: information, and at most a reason to stop or discard a run early, never to keep one.
+    record.curve = read_curve(train_step.log)
     printed = val_bpb_of(record.metrics)
     if train_step.timed_out:
         return Crash(f"timeout after {s.hard_timeout:.0f}s", Phase.TRAIN)

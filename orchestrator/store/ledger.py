@@ -82,6 +82,9 @@ class Record:
     reason: str = ""
     val_bpb: float | None = None
     metrics: dict = field(default_factory=dict)
+    # training loss at fractions of the planned steps ({"0.1": 4.2, ..., "1.0": 3.1}; core/progress.py:
+    # parse_curve), from the run's own output: only ever a reason to stop or discard a run, never to keep one
+    curve: dict = field(default_factory=dict)
     proposer: str = ""
     started: float = 0.0
     ended: float = 0.0

@@ -33,6 +33,7 @@ from ..core.state import State, Status, replay
 from ..core.workspace import Workspace
 from ..store.hparams import read_constants
 from ..store.ledger import Record, write_json_atomic
+from ..trust.summary import read_run_file
 
 # train.py's progress line: "step 00042 (12.5%) | loss: 5.123456 | dt: ...", the loss smoothed and debiased
 _STEP = re.compile(r"^step (\d+)\b[^\n]*?\bloss: ([^\s|]+)", re.MULTILINE)
@@ -115,12 +116,16 @@ def metrics_of(record: Record) -> dict[str, float]:
     return metrics
 
 
+LOG_BYTES = 4 << 20  # the start of a run's log read for its loss curve (progress lines come early)
+
+
 def loss_curve(log: Path) -> list[tuple[int, float]]:
-    """(step, loss) of each progress line train.py printed (about one a second); [] without a log."""
-    try:
-        text = log.read_text(errors="replace")
-    except OSError:
+    """(step, loss) of each progress line train.py printed (about one a second); [] without a log. The log is
+    read as any file a run could have replaced: a link or a FIFO in its place is not followed, at most 4 MiB."""
+    data = read_run_file(log, LOG_BYTES, tail=False)
+    if data is None:
         return []
+    text = data.decode(errors="replace")
     curve = []
     for step, loss in _STEP.findall(text):
         try:
