@@ -194,6 +194,8 @@ def finished(ws: Workspace, state: State, run: Run) -> Finished:
         record.reason, record.phase, record.val_bpb = run.crash.reason, run.crash.phase.value, None
         record.cause = run.crash.cause.value
         return Finished(record, run.kind, crashed=True)
+    if run.stopped:  # --early-stop: its curve was clearly behind the best's
+        return Finished(record, run.kind, stopped=run.stopped)
     shorter = False
     if run.kind in (Kind.CANDIDATE, Kind.RERUN, Kind.CONFIRM) and state.best_group:
         lines = [

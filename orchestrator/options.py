@@ -313,6 +313,15 @@ RUN_OPTIONS: list[click.Option] = [
         show_default=True,
         help="Runs of one candidate at most: a promising one runs again until it clears the noise or turns hopeless.",
     ),
+    RunOption(
+        ["--early-stop"],
+        section=GATE,
+        type=click.Choice(["off", "on"]),
+        default="off",
+        show_default=True,
+        help="on: stop a candidate's run whose training loss is clearly behind the best's runs at equal fractions "
+        "of their planned steps, before the warm-down (recorded as a discard, with the evidence).",
+    ),
     # Safety
     RunOption(
         ["--sandbox"],

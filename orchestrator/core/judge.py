@@ -29,6 +29,7 @@ class Finished:
     crashed: bool = False
     shorter: bool = False  # its train.py has fewer significant lines than the best's
     disturbed: str = ""  # why its throughput says it was slowed from outside (set by decide)
+    stopped: str = ""  # why --early-stop stopped it: no val_bpb, a discard on its curve's evidence
 
 
 def disturbance(state: State, run: Finished) -> str:
@@ -73,9 +74,9 @@ def _judge(state: State, runs: list[Finished], gate: Gate) -> None:
     """decide() on working copies: fills each copy's gate and status."""
     if state.best_group:
         for run in runs:
-            if not run.crashed:
+            if not run.crashed and not run.stopped:
                 run.disturbed = disturbance(state, run)
-    ok = [r for r in runs if not r.crashed and not r.disturbed]
+    ok = [r for r in runs if not r.crashed and not r.disturbed and not r.stopped]
     for run in runs:
         run.record.status = Status.CRASH if run.crashed else Status.DISCARD
     if not state.best_group:
@@ -115,7 +116,13 @@ def _judge(state: State, runs: list[Finished], gate: Gate) -> None:
     if len(candidates) > 1:
         select(candidates)
     followups = [r for r in ok if r.kind in (Kind.RERUN, Kind.CONFIRM)]
-    if followups:
+    stopped = [r for r in runs if r.stopped and not r.crashed]
+    for run in stopped:  # evidence against it, never for it: discarded (a pending candidate with it)
+        run.record.gate = Evidence(Decision.DISCARD, runs=1, why="stopped early", note=run.stopped)
+    if any(r.kind in (Kind.RERUN, Kind.CONFIRM) for r in stopped):
+        for run in followups:
+            run.record.gate = Evidence(Decision.DISCARD, runs=1, note="discarded: another run of it was stopped early")
+    elif followups:
         settle(state, followups, parent_on, others(followups[-1]), gate)
     if followups and any(r.record.gate.decision == Decision.RERUN for r in followups):
         for run in runs:  # a crashed run of the candidate does not undo "run it again"

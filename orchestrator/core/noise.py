@@ -39,6 +39,7 @@ class Gate:
     alpha: float = 0.015  # the chance, at most, that a change that does nothing is kept (one-sided, all looks)
     min_delta: float = 0.0  # a kept change must also be better by this much, in val_bpb
     max_repeats: int = 10  # runs of one candidate at most, the first included (its looks)
+    early_stop: str = "off"  # on: a candidate's run clearly behind the best's curves is stopped (trust/curve.py)
 
 
 @dataclass(frozen=True)

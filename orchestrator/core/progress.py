@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import sys
@@ -10,13 +9,9 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-_STEP = re.compile(r"step (\d+) \(([\d.]+)%\) \| loss: ([\d.]+)")
-_SCHEDULE = re.compile(r"schedule: \d+ steps\b")  # train.py's calibration: the percentages after it are of steps
+from ..trust.curve import CURVE_BYTES, CURVE_FRACTIONS, CURVE_KEYS, parse_curve, read_curve  # noqa: F401
 
-CURVE_FRACTIONS = tuple(round(0.1 * i, 1) for i in range(1, 11))  # of the planned steps: 0.1, 0.2, ..., 1.0
-CURVE_KEYS = tuple(f"{f:.1f}" for f in CURVE_FRACTIONS)  # record.json's curve is {"0.1": loss, ...} (JSON keys)
-CURVE_TOLERANCE = 2.5  # percentage points: the last progress line at most this far before a fraction stands for it
-CURVE_BYTES = 4 << 20  # what is read of a log, from its start: ~30000 progress lines (a night-long budget)
+_STEP = re.compile(r"step (\d+) \(([\d.]+)%\) \| loss: ([\d.]+)")
 
 
 def last_step(log: Path) -> tuple[int, float, float] | None:
@@ -31,44 +26,6 @@ def last_step(log: Path) -> tuple[int, float, float] | None:
         return None
     step, pct, loss = matches[-1]
     return int(step), float(pct), float(loss)
-
-
-def read_curve(log: Path) -> dict[str, float]:
-    """parse_curve() of a run's log, read as last_step's is (a regular file at that very path, bounded: a FIFO, a
-    link or /dev/zero in its place gives {}), from its start, where the calibration line is."""
-    from ..trust.summary import read_run_file
-
-    data = read_run_file(log, CURVE_BYTES, tail=False)
-    return {} if data is None else parse_curve(data.decode(errors="replace"))
-
-
-def parse_curve(text: str) -> dict[str, float]:
-    """The training loss at each of CURVE_FRACTIONS of the planned steps ({"0.1": 4.21, ..., "1.0": 3.05}): the
-    loss of the last progress line at or before the fraction, when one is within CURVE_TOLERANCE of it (else the
-    fraction is absent). Only the lines after train.py's calibration line ("schedule: N steps") count: before
-    it their percentage is of the time budget, not of the steps. Lines with a loss that is not finite, or that
-    do not parse, are ignored; a crashed run has the points it reached.
-
-    The curve is the run's own output, as untrusted as anything the run printed: it may only ever be used to
-    stop or discard a run early, never to keep one (what keeps a run is the harness's measurement)."""
-    points: list[tuple[float, float]] | None = None  # (percent, loss), once the schedule is known
-    for line in text.splitlines():
-        if _SCHEDULE.match(line):
-            points = []  # a second calibration line (not train.py's) starts over: the later schedule counts
-        elif points is not None and (match := _STEP.match(line)):
-            try:
-                pct, loss = float(match.group(2)), float(match.group(3))
-            except ValueError:  # "1.2.3"
-                continue
-            if math.isfinite(loss):
-                points.append((pct, loss))
-    curve: dict[str, float] = {}
-    for key, fraction in zip(CURVE_KEYS, CURVE_FRACTIONS):
-        target = round(100 * fraction, 6)  # percent, as printed (100 * 0.3 is 30.000000000000004)
-        near = [loss for pct, loss in points or () if target - CURVE_TOLERANCE <= pct <= target]
-        if near:
-            curve[key] = near[-1]
-    return curve
 
 
 def format_eta(seconds: float) -> str:

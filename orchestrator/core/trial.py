@@ -23,6 +23,7 @@ from ..store import gitops
 from ..store.ledger import Record
 from ..store.session import write_status
 from ..trust import redaction
+from ..trust.curve import CURVE_KEYS, StopRule
 from ..trust.evaluation import RESULT, audit_clock, compare_printed, evaluator_flags, read_evaluation, read_result
 from ..trust.guard import new_violations
 from ..trust.harness import evaluation_data
@@ -50,6 +51,7 @@ class Run:
     started: float = 0.0
     crash: Crash | None = None
     done: bool = False
+    stopped: str = ""  # why --early-stop stopped it (a discard, judged as such; no val_bpb)
 
 
 def check_edit(ws: Workspace, wt: git.Repo) -> str:
@@ -163,6 +165,40 @@ def build_job(ws: Workspace, workdir: Path, run_dir: Path) -> Job:
     )  # what it is scored on
 
 
+WARMDOWN = "WARMDOWN_RATIO"  # train.py's share of the steps the learning rate warms down over, at the end
+LAST_LOOK = 0.8  # early stopping never looks later than this share of the planned steps
+
+
+def stop_rule(ws: Workspace, state: State, kind: Kind, wt: git.Repo) -> StopRule | None:
+    """--early-stop on: the rule a new idea's run (or a pending one's again) is stopped by, from the curves of the
+    best's counted runs; None for the best's own runs, before the best has two runs with curves, or when off.
+    It looks only before the warm-down of either (train.py's WARMDOWN_RATIO; without one, before half-way)."""
+    if ws.settings.gate.early_stop != "on" or kind not in (Kind.CANDIDATE, Kind.RERUN, Kind.CONFIRM):
+        return None
+    best = [r for r in state.records if group_of(r) == state.best_group and state.counted(r) and r.curve]
+    curves = {key: [r.curve[key] for r in best if key in r.curve] for key in CURVE_KEYS}
+    if not any(len(v) >= 2 for v in curves.values()):
+        return None
+    sources = [gitops.tree(wt) / "train.py"]
+    ratios = [warmdown(ws, path.read_text(errors="replace")) for path in sources]
+    ratios.append(warmdown(ws, ws.repo.git.show(f"{state.best_commit}:train.py")))
+    known = [r for r in ratios if r is not None]
+    last = min(LAST_LOOK, 1 - max(known)) if known else 0.5
+    return StopRule({k: v for k, v in curves.items() if len(v) >= 2}, last=last)
+
+
+def warmdown(ws: Workspace, source: str) -> float | None:
+    """train.py's WARMDOWN_RATIO for this session's profile, or None (not a number in [0, 1], or absent)."""
+    from ..store.hparams import read_constants
+
+    try:
+        found = {c.name: c.value for c in read_constants(source, ws.profile)}
+    except Exception:  # noqa: BLE001  (an edit that does not parse is the run's crash, found elsewhere)
+        return None
+    value = found.get(WARMDOWN)
+    return float(value) if isinstance(value, (int, float)) and 0 <= value <= 1 else None
+
+
 def corpus_source(ws: Workspace) -> tuple[str, ...]:
     """A local corpus (`--dataset DIR`): the training step needs only the prepared shards, and from the source
     it could rebuild the validation split. (The offline corpora, made of the machine's own Python files that a
@@ -233,6 +269,8 @@ def start(
     if run.crash:
         return
     run.job = build_job(ws, gitops.tree(wt), run_dir)
+    rule = stop_rule(ws, state, prepared.kind, wt)
+    run.job.stop_rule = rule.to_dict() if rule else None
     run.handle, run.done = submit(ws, executor, run.job, slot, record), False
     run.started = time.monotonic()
 
@@ -286,6 +324,8 @@ def run_generation(
                         )
                     if run.crash:
                         free.append(run.slot)
+                    elif result.stopped:
+                        run.stopped = result.stopped
             while extra := refill(
                 state,
                 len(free),
@@ -398,6 +438,8 @@ def measure(
     # printed: information, and at most a reason to stop or discard a run early, never to keep one.
     record.curve = read_curve(train_step.log)
     printed = val_bpb_of(record.metrics)
+    if result.stopped:  # --early-stop ended its training: no evaluation, a discard on its curve's evidence
+        return Crash(f"the run modified {', '.join(result.modified)}", Phase.AUDIT) if result.modified else None
     if train_step.timed_out:
         return Crash(f"timeout after {s.hard_timeout:.0f}s", Phase.TRAIN)
     if train_step.exit_code != 0:

@@ -172,7 +172,8 @@ class Workspace:
             "profile": self.profile,
             "dataset": (self.info.dataset if self.info else None) or self.settings.dataset,
             "seed": self.settings.seed,
-            "gate": f"{gate.mode} alpha {gate.alpha:g} looks {gate.max_repeats} min {gate.min_delta:g}",
+            "gate": f"{gate.mode} alpha {gate.alpha:g} looks {gate.max_repeats} min {gate.min_delta:g}"
+            + (" early-stop on" if gate.early_stop == "on" else ""),
             "manifest_digest": self.manifest_digest,
             "prepare_sha256": self.prepare_sha,
         }

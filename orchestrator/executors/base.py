@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..trust.confine import gpu_devices, readable_paths, sandbox_problem, sandboxed
+from ..trust.curve import CurveWatch, StopRule
 from .gpu import smi
 from .runner import LOG_CAP_BYTES, LineWatch, RunResult, run_command
 
@@ -59,6 +60,9 @@ class Job:
     step_hidden: list[tuple[str, ...]] = field(default_factory=list)
     read_only: tuple[str, ...] = ()
     readable: tuple[str, ...] = ()
+    # --early-stop: the first step (training) is stopped when its curve is clearly behind the best's
+    # (trust/curve.py: StopRule.to_dict); the job then ends there, `stopped` saying why
+    stop_rule: dict | None = None
 
 
 @dataclass
@@ -79,6 +83,7 @@ class JobResult:
     slot: int = 0
     infra_error: str = ""  # the executor failed (node lost, worker died): run the job again elsewhere
     interrupted: bool = False
+    stopped: str = ""  # why --early-stop stopped the training step (the later steps did not run)
 
     @property
     def ok(self) -> bool:
@@ -241,12 +246,19 @@ def run_steps(
             if early is not None:  # the step before has ended and passed its checks: this one may go on
                 run, early = early.result(), None
             else:
-                watch = None
+                watches: list[Callable[[bytes], None]] = []
                 if confined is not None and (line := _early_start(job, i + 1, workdir)):
                     early = _Early(lambda gate, stop, n=i + 1: step(n, stdin_gate=gate, cancel=stop), cancel)
-                    watch = LineWatch(line, early.start)
-                run = step(i, cancel=cancel, on_output=watch)
+                    watches.append(LineWatch(line, early.start))
+                curve = CurveWatch(rule) if i == 0 and (rule := StopRule.from_dict(job.stop_rule)) else None
+                if curve is not None:
+                    watches.append(curve)
+                stop = cancel if curve is None else _Either(curve.fired, cancel)
+                run = step(i, cancel=stop, on_output=_all(watches))
             result.steps.append(StepResult(run.exit_code, run.timed_out, run.wall_s, out / job.logs[i]))
+            if run.interrupted and curve is not None and curve.why and not (cancel and cancel.is_set()):
+                result.stopped = curve.why  # stopped by the rule, not by the user: a result, judged as such
+                break
             if run.interrupted:
                 result.interrupted = True
                 break
@@ -262,6 +274,18 @@ def run_steps(
     for name in ("home", "tmp"):  # the run's own HOME and TMPDIR: scratch
         shutil.rmtree(out / name, ignore_errors=True)
     return result
+
+
+def _all(watches: list[Callable[[bytes], None]]) -> Callable[[bytes], None] | None:
+    """One on_output that feeds each watch (None for none)."""
+    if not watches:
+        return None
+
+    def feed(data: bytes) -> None:
+        for watch in watches:
+            watch(data)
+
+    return feed
 
 
 def _early_start(job: Job, i: int, workdir: Path) -> str:

@@ -120,6 +120,7 @@ def _node_job(spec: dict, files: dict[str, bytes], inputs: dict[str, bytes], sta
             step_hidden=step_hidden,
             step_start_after=spec.get("step_start_after") or [],
             read_only=tuple(spec.get("read_only") or ()),
+            stop_rule=spec.get("stop_rule"),
         )
         result = run_steps(job, src, out, {})
         return {
@@ -129,6 +130,7 @@ def _node_job(spec: dict, files: dict[str, bytes], inputs: dict[str, bytes], sta
             "device": result.device,
             "node": result.node,
             "interrupted": result.interrupted,
+            "stopped": result.stopped,
             "visible": env["CUDA_VISIBLE_DEVICES"],
             "outputs": {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()},
         }
@@ -218,6 +220,7 @@ class RayHandle(Handle):
             node=data["node"],
             slot=self._slot.index,
             interrupted=data["interrupted"],
+            stopped=data.get("stopped", ""),
         )
         return self._result
 
@@ -340,6 +343,7 @@ class RayExecutor(Executor):
             "step_hidden": [list(hidden) for hidden in job.step_hidden],
             "step_start_after": job.step_start_after,
             "read_only": list(job.read_only),
+            "stop_rule": job.stop_rule,
         }
         inputs = {name: Path(path).read_bytes() for name, path in job.inputs.items()}
         options = {"num_gpus": self.gpus_per_task, "num_cpus": self.cpus_per_task}
