@@ -14,6 +14,7 @@ candidate is kept and the runs it cost.
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 import statistics
 import sys
@@ -23,6 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from orchestrator.core import noise  # noqa: E402
 from orchestrator.core.noise import Gate, judge, parent_first  # noqa: E402
+
+ALTERNATE = True  # --no-alternate: the best may run twice in a row (within its cap)
 
 
 def candidate(gain: float, gate: Gate, rng: random.Random, others: int, best_runs: int) -> tuple[bool, int]:
@@ -35,7 +38,7 @@ def candidate(gain: float, gate: Gate, rng: random.Random, others: int, best_run
         if verdict.decision != "rerun":
             return verdict.decision == "keep", len(runs) + len(best) - best_runs
         # as the loop plans it: never two runs of the best in a row, at most COMPARISON_RUNS for this candidate
-        last_best = not last_best and parent_first(runs, best, other, len(best) - best_runs)
+        last_best = (ALTERNATE is False or not last_best) and parent_first(runs, best, other, len(best) - best_runs)
         if last_best:
             best.append(rng.gauss(0, 1))
         else:
@@ -55,26 +58,33 @@ def main() -> int:
     ap.add_argument("--futility", default=",".join(map(str, noise.FUTILITY)), help="t bounds at looks 1, 2, 3+")
     ap.add_argument("--others", type=int, nargs="+", default=[0, 5], help="other configurations measured")
     ap.add_argument("--best-runs", type=int, default=3)
+    ap.add_argument("--alpha", type=float, nargs="+", default=[Gate().alpha], help="--false-keep-rate values")
     ap.add_argument("--null", type=int, default=2000, help="no-op candidates per cell")
     ap.add_argument("--gains", type=int, default=1000, help="2 σ gains per cell")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--floor", type=float, default=noise.FLOOR, help="added to every look's weight")
+    ap.add_argument("--no-alternate", action="store_true", help="let the best run twice in a row (within its cap)")
     args = ap.parse_args()
+    global ALTERNATE
+    ALTERNATE = not args.no_alternate
+    noise.FLOOR = args.floor
     noise.FUTILITY = tuple(float(x) for x in args.futility.split(","))
-    print(f"futility {noise.FUTILITY}, false-keep rate {Gate().alpha}, best measured {args.best_runs} times")
-    print(f"{'looks':>5s} {'spend':>5s} {'others':>6s} {'no-op kept':>18s} {'2σ gain kept':>18s} {'worse costs':>12s}")
-    for looks in args.looks:
-        for spend in args.spend:
-            noise.SPEND = spend
-            gate = Gate(max_repeats=looks)
-            for others in args.others:
-                null, null_runs = rate(0.0, gate, args.null, others, args.best_runs, args.seed)
-                power, power_runs = rate(2.0, gate, args.gains, others, args.best_runs, args.seed)
-                _, worse_runs = rate(-1.0, gate, 300, others, args.best_runs, args.seed)
-                print(
-                    f"{looks:5d} {spend:5g} {others:6d} {100 * null:8.1f}% ({null_runs:.1f} runs) "
-                    f"{100 * power:8.1f}% ({power_runs:.1f} runs) {worse_runs:7.1f} runs",
-                    flush=True,
-                )
+    print(f"futility {noise.FUTILITY}, best measured {args.best_runs} times")
+    print(
+        f"{'alpha':>6s} {'looks':>5s} {'spend':>5s} {'others':>6s} {'no-op kept':>18s} {'2σ gain kept':>18s} "
+        f"{'worse costs':>12s}"
+    )
+    for alpha, looks, spend, others in itertools.product(args.alpha, args.looks, args.spend, args.others):
+        noise.SPEND = spend
+        gate = Gate(max_repeats=looks, alpha=alpha)
+        null, null_runs = rate(0.0, gate, args.null, others, args.best_runs, args.seed)
+        power, power_runs = rate(2.0, gate, args.gains, others, args.best_runs, args.seed)
+        _, worse_runs = rate(-1.0, gate, 300, others, args.best_runs, args.seed)
+        print(
+            f"{alpha:6g} {looks:5d} {spend:5g} {others:6d} {100 * null:8.1f}% ({null_runs:.1f} runs) "
+            f"{100 * power:8.1f}% ({power_runs:.1f} runs) {worse_runs:7.1f} runs",
+            flush=True,
+        )
     return 0
 
 

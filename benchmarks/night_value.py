@@ -109,7 +109,15 @@ def main() -> int:
     ap.add_argument("--period", type=int, default=40, help="the drift's period, in runs")
     ap.add_argument("--jobs", type=int, default=1, help="sessions at once")
     ap.add_argument("--out", type=Path, default=None, help="also write the raw results as JSON here")
+    ap.add_argument(
+        "--arms", default=",".join(ARMS), help="the arms to run (comma-separated); the others come from --reuse"
+    )
+    ap.add_argument(
+        "--reuse", type=Path, default=None, help="an earlier --out: its sessions of the arms not run now (same seeds)"
+    )
     args = ap.parse_args()
+    if set(args.arms.split(",")) - set(ARMS) or (set(args.arms.split(",")) != set(ARMS) and not args.reuse):
+        ap.error(f"--arms: some of {', '.join(ARMS)}; the others need --reuse FILE.json")
     if args.seeds < 1 or args.runs < 2 or args.period < 1 or args.jobs < 1:
         ap.error("--seeds, --period and --jobs must be 1 or more and --runs 2 or more")
     if not args.surrogate.exists():
@@ -128,11 +136,15 @@ def main() -> int:
             for seed in range(args.first_seed, args.first_seed + args.seeds)
             for method in args.methods.split(",")
             for arm, gate in ARMS.items()
+            if arm in args.arms.split(",")
         ]
         jobs = [(j[0], *j[1:5], j[5], j[6], str(Path(tmp) / j[0]), *j[8:]) for j in jobs]
         for arm in ARMS:
             (Path(tmp) / arm).mkdir()
         results = list(pool.map(session, jobs))
+    if args.reuse:
+        earlier = json.loads(args.reuse.read_text())["results"]
+        results += [r for r in earlier if r["arm"] not in args.arms.split(",")]
     report(args, results, time.monotonic() - t0)
     if args.out:
         args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results}))

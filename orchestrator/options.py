@@ -284,7 +284,7 @@ RUN_OPTIONS: list[click.Option] = [
         ["--false-keep-rate"],
         section=GATE,
         type=click.FloatRange(min=0.0001, max=0.5),
-        default=0.015,
+        default=0.02,
         show_default=True,
         help="The chance, at most, that the noise gate keeps a change that does nothing "
         "(over all of the candidate's runs).",

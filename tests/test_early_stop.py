@@ -80,9 +80,12 @@ def test_the_watch_fires_once_the_second_look_is_behind_whatever_the_chunks():
     assert not calm.fired.is_set() and calm.why == ""
 
 
-def trained(counter, offsets: dict[str, float], steps: int = 20, pause: float = 0.1) -> str:
+def trained(
+    counter, offsets: dict[str, float], steps: int = 20, pause: float = 0.1, only: tuple[int, ...] = (), bpb=None
+) -> str:
     """A fake train.py that trains `steps` steps (pause s each), printing the progress lines train.py prints;
-    its loss at fraction f is the best's plus offsets[f] (runs of it differ by +-0.01)."""
+    its loss at fraction f is the best's plus offsets[f] (runs of it differ by +-0.01), or only on the session's
+    runs numbered in `only` (counted from 0) if given; it scores `bpb` if given."""
     base = {"0.1": 5.0, "0.2": 4.5, "0.3": 4.2, "0.4": 4.0, "0.5": 3.9, "0.6": 3.8, "0.7": 3.7, "0.8": 3.5}
     base |= {"0.9": 3.3, "1.0": 3.2}
     loss = {k: v + offsets.get(k, 0.0) for k, v in base.items()}
@@ -93,12 +96,12 @@ p = {str(counter)!r}
 k = int(open(p).read()) if os.path.exists(p) else 0
 open(p, "w").write(str(k + 1))
 jitter = 0.01 * (k % 3 - 1)
-loss = {loss!r}
+loss = {loss!r} if not {list(only)!r} or k in {list(only)!r} else {base!r}
 print("schedule: {steps} steps (10ms per step)", flush=True)
 for i in range(1, {steps} + 1):
     time.sleep({pause!r})
     print(f"step {{i:05d}} ({{100 * i / {steps}:.1f}}%) | loss: {{loss[f'{{round(i / {steps}, 1):.1f}}'] + jitter:.6f}}", flush=True)
-BPB = 1.0 + OFFSET / 100
+BPB = ({bpb!r} if {bpb!r} is not None else 1.0 + OFFSET / 100) + jitter
 """
         + fakes.SUMMARY
     )
@@ -149,3 +152,41 @@ def test_off_by_default_and_never_for_the_best(fake_repo, plan, tmp_path):
     run(repo, max_experiments=4, gate=Gate())
     rows = read_rows(Paths(repo, "e").ledger)
     assert "stopped" not in rows[3].description and read_record(Paths(repo, "e").run_dir(4)).val_bpb is not None
+
+
+def test_never_the_best_and_a_stopped_run_again_discards_its_candidate(fake_repo, plan, tmp_path):
+    """The baseline's third run trails the first two's curves by far: it is the best, never stopped. A candidate
+    promising on its first run (better, inside the margin) is stopped on its second: it is discarded."""
+    counter = tmp_path / "runs"
+    behind = {k: 0.5 for k in ("0.2", "0.3", "0.4")}
+    repo = fake_repo(trained(counter, behind, only=(2,), pause=0.05))
+    far = {k: 3.0 for k in behind}  # beyond the band the third baseline run widened
+    plan([{"description": "promising", "train": trained(counter, far, only=(4,), pause=0.05, bpb=0.99)}])
+    run(repo, max_experiments=5, gate=Gate(early_stop="on", max_repeats=3))
+    paths = Paths(repo, "e")
+    rows = read_rows(paths.ledger)
+    third = read_record(paths.run_dir(3))
+    assert third.val_bpb is not None and "stopped" not in rows[2].description and "0.4" in third.curve
+    first, again = read_record(paths.run_dir(4)), read_record(paths.run_dir(5))
+    assert first.gate.decision == "rerun" and again.group == 4, rows
+    assert again.gate.decision == "discard" and again.gate.why == "stopped early" and again.val_bpb is None
+    from orchestrator.core.state import load_state
+
+    assert load_state(paths).pending is None  # decided: the next idea comes
+
+
+def test_a_run_printing_junk_at_full_speed_costs_the_watch_little():
+    watch = CurveWatch(StopRule(BEST))
+    junk = b"schedule: 1 steps " + b"x" * (1 << 20) + b"\n"
+    for _ in range(16):  # 16 MiB without a newline, 16 MiB of over-long lines, progress lines by the thousand
+        watch(b"y" * (1 << 20))
+        assert len(watch.pending) <= 200
+    for _ in range(16):
+        watch(junk)
+    watch(b"schedule: 20 steps\n" + b"step 00001 (10.0%) | loss: 5.0\n" * 20000)
+    assert len(watch.pending) <= 200 and watch.curve == {"0.1": 5.0} and not watch.fired.is_set()
+    watch(progress(curve(0.0, 0.5, 0.5, 0.5)).split(b"schedule: 20 steps (10ms per step over the first 2)\n")[1])
+    assert watch.fired.is_set() and watch.done
+    before = dict(watch.curve or {})
+    watch(b"step 00020 (100.0%) | loss: 1.0\n")  # past the last look: no longer read
+    assert watch.curve == before

@@ -15,7 +15,7 @@ from ..executors import OUT, PYTHON, Executor, Job
 from ..store.ledger import write_json_atomic
 from ..trust.evaluation import RESULT, evaluator_flags, holdout_text, read_evaluation, read_result
 from ..trust.summary import read_tail
-from .state import State, group_of
+from .state import State
 
 if TYPE_CHECKING:
     from .workspace import Workspace
@@ -47,12 +47,11 @@ def holdout_check(ws: Workspace, executor: Executor, state: State, echo: Callabl
             if artifact.exists()
             else (None, f"the saved model of #{n} is gone")
         )
-        runs = state.runs(group_of(record))
-        result[name] = {
+        result[name] = {  # the best's val_bpb is its saved model's run's own, the one held-out data re-measures
             "n": n,
             "commit": record.commit,
             "holdout_bpb": value,
-            "val_bpb": runs[-1] if name == "best" and runs else state.baseline_bpb,
+            "val_bpb": record.val_bpb if name == "best" else state.baseline_bpb,
         }
         if value is None:
             result["error"] = f"{name} (#{n}): {why}"

@@ -91,9 +91,11 @@ def _judge(state: State, runs: list[Finished], gate: Gate) -> None:
         return state.others(run.record.device, state.best_group, group_of(run.record), extra=extra)
 
     def parent_on(device: str) -> list[float]:  # the best's fresh runs (State.comparator), this generation's too
-        return state.comparator(device, state.fresh(gate.mode, device)) + [
+        runs = state.comparator(device, state.fresh(gate.mode, device)) + [
             r.record.bpb for r in ok if r.kind == Kind.PARENT and r.record.device == device
         ]
+        # its fresh run crashed or was slowed: the runs that kept it (biased low) rather than no comparison at all
+        return runs or state.comparator(device, fresh=False)
 
     for run in ok:
         if run.kind == Kind.PARENT:

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 PRIOR_DOF = 8  # how many runs' worth the reference spread counts for in a configuration's variance, at most
 PARENT_RUNS = 12  # runs of the best at most that a pending candidate asks for (they serve later ones too)
 COMPARISON_RUNS = 3  # runs of the best at most that one candidate's comparison asks for
-SPEND = 2.0  # the false-keep budget of look k grows as k**SPEND
+FLOOR = 67.0  # every look's weight has this added: early looks keep a share however steep SPEND is
+SPEND = 4.0  # the false-keep budget of look k grows as k**SPEND (benchmarks/README.md: the keep gate)
 FUTILITY = (0.0, 0.5, 1.0)  # t at look 1, 2, 3.. not above which a candidate is discarded without more runs
 MIN_PRIOR_DOF = 2  # the reference counts for at least this many runs, however much configurations differ
 SIMPLER_T = 1.0  # a shorter train.py may be worse by at most this many standard errors
@@ -36,7 +37,7 @@ RESOLUTION = 1e-6  # val_bpb is printed to 6 decimals: no spread or standard err
 @dataclass
 class Gate:
     mode: str = "noise"  # noise | strict (upstream: keep if lower at all)
-    alpha: float = 0.015  # the chance, at most, that a change that does nothing is kept (one-sided, all looks)
+    alpha: float = 0.02  # the chance, at most, that a change that does nothing is kept (one-sided, all looks)
     min_delta: float = 0.0  # a kept change must also be better by this much, in val_bpb
     max_repeats: int = 10  # runs of one candidate at most, the first included (its looks)
     early_stop: str = "off"  # on: a candidate's run clearly behind the best's curves is stopped (trust/curve.py)
@@ -151,7 +152,7 @@ def t_quantile(p: float, dof: float) -> float:
 def look_alpha(gate: Gate, look: int) -> float:
     """The share of the false-keep budget spent at this look: growing with the look (k^SPEND), since early
     looks, on one or two runs, can only keep large effects anyway; the shares sum to `alpha`."""
-    weights = [k**SPEND for k in range(1, gate.max_repeats + 1)]
+    weights = [k**SPEND + FLOOR for k in range(1, gate.max_repeats + 1)]
     return gate.alpha * weights[min(look, gate.max_repeats) - 1] / sum(weights)
 
 

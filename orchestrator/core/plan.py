@@ -192,6 +192,12 @@ def pending_runs(ws: Workspace, state: State, slots: int) -> list[Prepared]:
     ] + [parent_run(state, "confirmation") for _ in range(slots - k)]
 
 
+def tried_afresh(state: State, device: str) -> bool:
+    """Has the best run on `device` since it was kept (counted or not: a fresh run that crashed or was slowed is
+    not asked for again; the judge then compares with the runs that kept it)?"""
+    return any(group_of(r) == state.best_group and r.n > state.kept_at and r.device == device for r in state.records)
+
+
 def asked(state: State) -> int:
     """Runs of the best made since the pending candidate's first run: what its comparison has asked for."""
     return sum(1 for r in state.records if r.n > (state.pending or 0) and group_of(r) == state.best_group)
@@ -223,9 +229,10 @@ def plan(ws: Workspace, ideas: Ideas, state: State, slots: int) -> list[Prepared
         for i, run in enumerate(runs):
             run.info = {"repeat": have + i + 1}
     device = state.records[-1].device if state.records else ""
-    if not runs and device and not state.comparator(device, state.fresh(s.gate.mode, device)):  # kept, or moved
-        kept = bool(state.kept_at and state.runs(state.best_group, device))
-        runs = [parent_run(state, "a fresh run of the new best" if kept else f"no run of the best on {device} yet")]
+    if not runs and device and not state.runs(state.best_group, device):  # e.g. resumed on another GPU model
+        runs = [parent_run(state, f"no run of the best on {device} yet")]
+    elif not runs and device and state.fresh(s.gate.mode, device) and not tried_afresh(state, device):
+        runs = [parent_run(state, "a fresh run of the new best")]  # its keep's runs are biased low
     if len(runs) == slots:
         return runs
     fresh = ideas.take(best, state.records, slots - len(runs))

@@ -175,7 +175,12 @@ def stop_rule(ws: Workspace, state: State, kind: Kind, wt: git.Repo) -> StopRule
     It looks only before the warm-down of either (train.py's WARMDOWN_RATIO; without one, before half-way)."""
     if ws.settings.gate.early_stop != "on" or kind not in (Kind.CANDIDATE, Kind.RERUN, Kind.CONFIRM):
         return None
-    best = [r for r in state.records if group_of(r) == state.best_group and state.counted(r) and r.curve]
+    device = state.records[-1].device if state.records else ""  # curves are compared on one device type only
+    best = [
+        r
+        for r in state.records
+        if group_of(r) == state.best_group and state.counted(r) and r.curve and r.device == device
+    ]
     curves = {key: [r.curve[key] for r in best if key in r.curve] for key in CURVE_KEYS}
     if not any(len(v) >= 2 for v in curves.values()):
         return None

@@ -44,19 +44,31 @@ def parse_curve(text: str) -> dict[str, float]:
     stop or discard a run early, never to keep one (what keeps a run is the harness's measurement)."""
     points: list[tuple[float, float]] | None = None  # (percent, loss), once the schedule is known
     for line in text.splitlines():
-        if _SCHEDULE.match(line):
-            points = []  # a second calibration line (not train.py's) starts over: the later schedule counts
-        elif points is not None and (match := _STEP.match(line)):
-            try:
-                pct, loss = float(match.group(2)), float(match.group(3))
-            except ValueError:  # "1.2.3"
-                continue
-            if math.isfinite(loss):
-                points.append((pct, loss))
+        points = read_line(line, points)
+    return curve_of(points or [])
+
+
+def read_line(line: str, points: list[tuple[float, float]] | None) -> list[tuple[float, float]] | None:
+    """The (percent, loss) points after one more line of output: a calibration line starts them afresh (the
+    later schedule counts), a progress line after it adds one."""
+    if _SCHEDULE.match(line):
+        return []
+    if points is not None and (match := _STEP.match(line)):
+        try:
+            pct, loss = float(match.group(2)), float(match.group(3))
+        except ValueError:  # "1.2.3"
+            return points
+        if math.isfinite(loss):
+            points.append((pct, loss))
+    return points
+
+
+def curve_of(points: list[tuple[float, float]]) -> dict[str, float]:
+    """The curve of (percent, loss) points in the order printed (parse_curve)."""
     curve: dict[str, float] = {}
     for key, fraction in zip(CURVE_KEYS, CURVE_FRACTIONS):
         target = round(100 * fraction, 6)  # percent, as printed (100 * 0.3 is 30.000000000000004)
-        near = [loss for pct, loss in points or () if target - CURVE_TOLERANCE <= pct <= target]
+        near = [loss for pct, loss in points if target - CURVE_TOLERANCE <= pct <= target]
         if near:
             curve[key] = near[-1]
     return curve
@@ -112,37 +124,44 @@ def behind(rule: StopRule, curve: dict[str, float]) -> str:
     return ""
 
 
+LINE_BYTES = 200  # a progress or calibration line is shorter: what is longer is cut before it is matched
+
+
 @dataclass
 class CurveWatch:
     """Fed a training step's output as it comes (run_command's on_output): applies the rule each time the run
-    passes one of the curve's fractions, and sets `fired` (with `why`) when it says stop."""
+    passes one of the curve's fractions, and sets `fired` (with `why`) when it says stop. It keeps only the curve
+    itself (the last loss within each fraction's window, as curve_of does), each line cut to LINE_BYTES, and
+    stops reading once the run is past the rule's last look: a run printing junk at full speed costs it little."""
 
     rule: StopRule
     why: str = ""
     fired: threading.Event = field(default_factory=threading.Event)
-    lines: list[str] = field(default_factory=list)  # the progress and calibration lines so far
+    curve: dict[str, float] | None = None  # after the calibration line
     pending: bytes = b""
     judged: int = 0  # curve fractions passed so far
+    done: bool = False
 
     def __call__(self, data: bytes) -> None:
-        if self.why:
+        if self.done:
             return
         *lines, self.pending = (self.pending + data).split(b"\n")
-        self.pending = self.pending[-4096:]  # a progress line is short: a longer one is not one
+        self.pending = self.pending[:LINE_BYTES]  # the rest of an over-long line is not a progress line
         passed = self.judged
         for raw in lines:
-            line = raw.decode(errors="replace").rstrip("\r")
-            if _SCHEDULE.match(line):
-                self.lines.append(line)
-            elif (match := _STEP.match(line)) and len(self.lines) < 100_000:
-                self.lines.append(line)
-                try:
-                    pct = float(match.group(2))
-                except ValueError:
-                    continue
-                passed = max(passed, sum(pct >= 100 * f for f in CURVE_FRACTIONS))
+            if not raw.startswith((b"step ", b"schedule: ")):
+                continue
+            points = read_line(raw[:LINE_BYTES].decode(errors="replace").rstrip("\r"), [])
+            if self.curve is None or not points:  # the calibration line, or a line before or not of progress
+                self.curve = {} if points == [] and raw.startswith(b"schedule: ") else self.curve
+                continue
+            pct, loss = points[0]
+            self.curve.update(curve_of(points))
+            passed = max(passed, sum(pct >= 100 * f for f in CURVE_FRACTIONS))
         if passed > self.judged:
             self.judged = passed
-            self.why = behind(self.rule, parse_curve("\n".join(self.lines)))
+            self.why = behind(self.rule, self.curve or {})
             if self.why:
                 self.fired.set()
+            past = CURVE_FRACTIONS[self.judged - 1] >= self.rule.last
+            self.done = bool(self.why) or past
