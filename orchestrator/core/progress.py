@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import os
-import re
 import sys
 import time
 from pathlib import Path
 from typing import TextIO
 
-from ..trust.curve import CURVE_BYTES, CURVE_FRACTIONS, CURVE_KEYS, parse_curve, read_curve  # noqa: F401
-
-_STEP = re.compile(r"step (\d+) \(([\d.]+)%\) \| loss: ([\d.]+)")
+from ..trust.curve import CURVE_BYTES, CURVE_FRACTIONS, CURVE_KEYS, STEP_LINE, parse_curve, read_curve  # noqa: F401
 
 
 def last_step(log: Path) -> tuple[int, float, float] | None:
@@ -21,7 +18,7 @@ def last_step(log: Path) -> tuple[int, float, float] | None:
     data = read_run_file(log, 4096)
     if data is None:
         return None
-    matches = _STEP.findall(data.decode(errors="replace"))
+    matches = STEP_LINE.findall(data.decode(errors="replace"))
     if not matches:
         return None
     step, pct, loss = matches[-1]

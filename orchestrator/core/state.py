@@ -134,12 +134,12 @@ class State:
         """Does this run's value count (counts()), and was it not found slowed afterwards (set_aside)?"""
         return counts(record) and record.n not in self.set_aside
 
-    def runs(self, group: int, device: str | None = None) -> list[float]:
-        """val_bpb of the counted runs of `group` (on `device` only, if given)."""
+    def runs(self, group: int, device: str | None = None, after: int = 0) -> list[float]:
+        """val_bpb of the counted runs of `group` (on `device` only, if given; numbered above `after` only)."""
         return [
             r.bpb
             for r in self.records
-            if group_of(r) == group and self.counted(r) and (device is None or r.device == device)
+            if group_of(r) == group and r.n > after and self.counted(r) and (device is None or r.device == device)
         ]
 
     def comparator(self, device: str | None = None, fresh: bool = True) -> list[float]:
@@ -147,14 +147,7 @@ class State:
         The runs that won its keep are a selected sample (a sequential test stops when they look good), so a
         candidate is compared with fresh runs only, as the best's runs measured afterwards are unbiased.
         `fresh=False`: all its counted runs (upstream's rule, --gate strict, compares with the kept run)."""
-        return [
-            r.bpb
-            for r in self.records
-            if group_of(r) == self.best_group
-            and (r.n > self.kept_at or not fresh)
-            and self.counted(r)
-            and (device is None or r.device == device)
-        ]
+        return self.runs(self.best_group, device, after=self.kept_at if fresh else 0)
 
     def fresh(self, mode: str, device: str) -> bool:
         """Is the best compared with its fresh runs only (`comparator`)? When the gate weighs run-to-run noise:

@@ -184,9 +184,10 @@ def stop_rule(ws: Workspace, state: State, kind: Kind, wt: git.Repo) -> StopRule
     curves = {key: [r.curve[key] for r in best if key in r.curve] for key in CURVE_KEYS}
     if not any(len(v) >= 2 for v in curves.values()):
         return None
-    sources = [gitops.tree(wt) / "train.py"]
-    ratios = [warmdown(ws, path.read_text(errors="replace")) for path in sources]
-    ratios.append(warmdown(ws, ws.repo.git.show(f"{state.best_commit}:train.py")))
+    ratios = [  # the run's train.py and the best's
+        warmdown(ws, (gitops.tree(wt) / "train.py").read_text(errors="replace")),
+        warmdown(ws, ws.repo.git.show(f"{state.best_commit}:train.py")),
+    ]
     known = [r for r in ratios if r is not None]
     last = min(LAST_LOOK, 1 - max(known)) if known else 0.5
     return StopRule({k: v for k, v in curves.items() if len(v) >= 2}, last=last)

@@ -256,12 +256,13 @@ def run_steps(
                 stop = cancel if curve is None else _Either(curve.fired, cancel)
                 run = step(i, cancel=stop, on_output=_all(watches))
             result.steps.append(StepResult(run.exit_code, run.timed_out, run.wall_s, out / job.logs[i]))
-            if run.interrupted and not (curve is not None and curve.why and not (cancel and cancel.is_set())):
+            by_rule = run.interrupted and curve is not None and curve.why and not (cancel and cancel.is_set())
+            if run.interrupted and not by_rule:
                 result.interrupted = True
                 break
             result.modified = [name for name, digest in before.items() if sha256_of(workdir / name) != digest]
-            if run.interrupted:  # stopped by the rule, not by the user: a result, judged as such (its edits too)
-                result.stopped = curve.why if curve is not None else ""
+            if by_rule:  # stopped by the rule, not by the user: a result, judged as such (its edits too)
+                result.stopped = curve.why
                 break
             if run.timed_out or run.exit_code != 0 or result.modified:
                 break

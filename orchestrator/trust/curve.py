@@ -12,12 +12,12 @@ from __future__ import annotations
 import math
 import re
 import threading
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .summary import read_run_file
 
-_STEP = re.compile(r"step (\d+) \(([\d.]+)%\) \| loss: ([\d.]+)")
+STEP_LINE = re.compile(r"step (\d+) \(([\d.]+)%\) \| loss: ([\d.]+)")  # train.py's progress line
 _SCHEDULE = re.compile(r"schedule: \d+ steps\b")  # train.py's calibration: the percentages after it are of steps
 
 CURVE_FRACTIONS = tuple(round(0.1 * i, 1) for i in range(1, 11))  # of the planned steps: 0.1, 0.2, ..., 1.0
@@ -53,7 +53,7 @@ def read_line(line: str, points: list[tuple[float, float]] | None) -> list[tuple
     later schedule counts), a progress line after it adds one."""
     if _SCHEDULE.match(line):
         return []
-    if points is not None and (match := _STEP.match(line)):
+    if points is not None and (match := STEP_LINE.match(line)):
         try:
             pct, loss = float(match.group(2)), float(match.group(3))
         except ValueError:  # "1.2.3"
@@ -96,7 +96,7 @@ class StopRule:
     floor: float = 0.01
 
     def to_dict(self) -> dict:
-        return {"best": self.best, "first": self.first, "last": self.last, "z": self.z, "floor": self.floor}
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict | None) -> StopRule | None:
@@ -151,13 +151,12 @@ class CurveWatch:
         for raw in lines:
             if not raw.startswith((b"step ", b"schedule: ")):
                 continue
-            points = read_line(raw[:LINE_BYTES].decode(errors="replace").rstrip("\r"), [])
-            if self.curve is None or not points:  # the calibration line, or a line before or not of progress
-                self.curve = {} if points == [] and raw.startswith(b"schedule: ") else self.curve
-                continue
-            pct, loss = points[0]
-            self.curve.update(curve_of(points))
-            passed = max(passed, sum(pct >= 100 * f for f in CURVE_FRACTIONS))
+            line = raw[:LINE_BYTES].decode(errors="replace").rstrip("\r")
+            if _SCHEDULE.match(line):  # the calibration: the percentages from here on are of steps
+                self.curve = {}
+            elif self.curve is not None and (points := read_line(line, [])):
+                self.curve.update(curve_of(points))
+                passed = max(passed, sum(points[0][0] >= 100 * f for f in CURVE_FRACTIONS))
         if passed > self.judged:
             self.judged = passed
             self.why = behind(self.rule, self.curve or {})
