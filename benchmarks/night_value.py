@@ -6,15 +6,17 @@ its noise-free value (`true_bpb`) is what a night really bought. Arms, with pair
 sees the same landscape and the same proposer seed):
 
 - `autoloop`: the default gate (noise-aware, baseline measured 3 times, fresh runs of a new best, at most 3
-  runs of the best per comparison, interleaved);
+  runs of the best per comparison, interleaved) with early stopping on (`--early-stop on`: a run whose training
+  curve is clearly behind the best's is stopped; it needs a surrogate fitted with curves);
+- `no-early-stop`: the same gate, every run trained to the end (`--early-stop off`);
 - `upstream`: autoresearch's rule: one run per idea, kept if its val_bpb is lower than the kept run's
   (`--gate strict --baseline-repeats 0`).
 
-Compute is counted in runs (every run of the surrogate costs one run's worth; early stopping, when it exists,
-will count a stopped run by the share it used). The table gives the true improvement (the baseline's true
-val_bpb minus the kept best's) at each checkpoint: median [quartiles] over the seeds, the paired one-sided
-Wilcoxon test "autoloop better", the ratio of medians, and per arm the keeps, the false keeps (kept, and truly
-not better than the best it replaced) and the ideas judged per 100 runs.
+Compute is counted in runs' worth: a run trained to the end costs 1, a stopped run the share of its steps it
+ran. The table gives the true improvement (the baseline's true val_bpb minus the kept best's) once each
+checkpoint's compute is spent: median [quartiles] over the seeds, the paired one-sided Wilcoxon test "better
+than upstream", the ratio of medians, and per arm the keeps, the false keeps (kept, and truly not better than
+the best it replaced), the ideas judged per 100 runs' worth, and the share of truly better ideas stopped early.
 
     python benchmarks/night_value.py --surrogate benchmarks/surrogate/tiny-5s.npz --seeds 20 --runs 300 --jobs 2
     python benchmarks/night_value.py ... --drift 1.5    # a machine drifting by +-1.5 baseline sd (period 40 runs)
@@ -36,7 +38,12 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "benchmarks" / "
 
 from search_quality import die_with_parent, surrogate_session  # noqa: E402
 
-ARMS = {"autoloop": "noise", "upstream": "strict"}  # arm -> the gate it runs (search_quality's sessions)
+ARMS = {  # arm -> the gate it runs and --early-stop (search_quality's sessions)
+    "autoloop": ("noise", "on"),
+    "no-early-stop": ("noise", "off"),
+    "upstream": ("strict", "off"),
+}
+STOPPED_RUNS = 2.5  # an arm that stops runs gets this many runs per runs' worth of compute at most
 
 
 def session(job: tuple) -> dict:
@@ -46,9 +53,20 @@ def session(job: tuple) -> dict:
     return result
 
 
-def improvement(result: dict, k: int) -> float:
-    """The baseline's true val_bpb minus the true val_bpb of the best kept after k runs (0: nothing kept)."""
-    values = [v for v in result["best_true"][:k] if v is not None]
+def within(result: dict, compute: float) -> int:
+    """How many of the session's runs fit in this much compute (runs' worth: a stopped run counts its share)."""
+    spent, n = 0.0, 0
+    for cost in result.get("cost") or [1.0] * len(result["best_true"]):
+        if spent + cost > compute + 1e-9:
+            break
+        spent, n = spent + cost, n + 1
+    return n
+
+
+def improvement(result: dict, compute: float) -> float:
+    """The baseline's true val_bpb minus the true val_bpb of the best kept once `compute` runs' worth is spent
+    (0: nothing kept)."""
+    values = [v for v in result["best_true"][: within(result, compute)] if v is not None]
     return values[0] - values[-1] if values else 0.0
 
 
@@ -66,33 +84,42 @@ def report(args, results: list[dict], wall: float) -> None:
         + (f", drift +-{args.drift:g} baseline sd over {args.period} runs" if args.drift else "")
         + f"; {wall:.0f} s"
     )
+    arms = [a for a in ARMS if any(r["arm"] == a for r in results)]
     for method in args.methods.split(","):
         by = {
             arm: sorted((r for r in results if r["arm"] == arm and r["method"] == method), key=lambda r: r["seed"])
-            for arm in ARMS
+            for arm in arms
         }
         print(f"\n{method}: true improvement (baseline minus kept best, noise-free), median [quartiles]")
-        print(f"{'arm':9s} " + " ".join(f"{'after ' + str(k) + ' runs':>26s}" for k in checkpoints))
+        print(f"{'arm':13s} " + " ".join(f"{'after ' + str(k) + ' runs':>26s}" for k in checkpoints))
         for arm, runs in by.items():
-            print(f"{arm:9s} " + " ".join(f"{quartiles([improvement(r, k) for r in runs]):>26s}" for k in checkpoints))
-        for k in checkpoints:
-            a = [improvement(r, k) for r in by["autoloop"]]
-            b = [improvement(r, k) for r in by["upstream"]]
-            diff = [x - y for x, y in zip(a, b)]
-            p = wilcoxon(a, b, alternative="greater").pvalue if any(diff) else 1.0
-            ratio = statistics.median(a) / statistics.median(b) if statistics.median(b) > 0 else float("inf")
-            print(
-                f"after {k:3d} runs: autoloop better on {sum(d > 0 for d in diff)}/{len(diff)} seeds (worse on "
-                f"{sum(d < 0 for d in diff)}), median difference {statistics.median(diff):+.4f}, ratio of medians "
-                f"{ratio:.2f}, Wilcoxon one-sided p = {p:.3g}"
-            )
+            print(f"{arm:13s} " + " ".join(f"{quartiles([improvement(r, k) for r in runs]):>26s}" for k in checkpoints))
+        for arm in (a for a in arms if a != "upstream" and "upstream" in by):
+            for k in checkpoints:
+                a = [improvement(r, k) for r in by[arm]]
+                b = [improvement(r, k) for r in by["upstream"]]
+                diff = [x - y for x, y in zip(a, b)]
+                p = wilcoxon(a, b, alternative="greater").pvalue if any(diff) else 1.0
+                ratio = statistics.median(a) / statistics.median(b) if statistics.median(b) > 0 else float("inf")
+                print(
+                    f"{arm} vs upstream after {k:3d} runs' worth: better on {sum(d > 0 for d in diff)}/{len(diff)} "
+                    f"seeds (worse on {sum(d < 0 for d in diff)}), median difference {statistics.median(diff):+.4f}, "
+                    f"ratio of medians {ratio:.2f}, Wilcoxon one-sided p = {p:.3g}"
+                )
         for arm, runs in by.items():
             keeps = [k for r in runs for k in r["keeps"] if k[0] is not None]
             false = sum(after >= before for before, after in keeps)
             ideas = sum(len(r["candidates"]) for r in runs)
+            compute = sum(sum(r.get("cost") or [1.0] * len(r["best_true"])) for r in runs)
+            better = [c for r in runs for c in r["candidates"] if c[0] > 0]
+            stopped = sum(bool(c[2:] and c[2]) for c in better)
+            short = sum(sum(r.get("cost") or [1.0] * len(r["best_true"])) < args.runs - 1e-9 for r in runs)
             print(
-                f"{arm:9s} keeps {len(keeps)}, false keeps {false} ({100 * false / max(1, len(keeps)):.0f}%), "
-                f"ideas judged per 100 runs {100 * ideas / (len(runs) * args.runs):.1f}"
+                f"{arm:13s} keeps {len(keeps)}, false keeps {false} ({100 * false / max(1, len(keeps)):.0f}%), "
+                f"ideas judged per 100 runs' worth {100 * ideas / max(compute, 1e-9):.1f}, truly better ideas "
+                f"stopped early {stopped}/{len(better)}, runs stopped early "
+                f"{sum(c < 1 for r in runs for c in r.get('cost', []))}"
+                + (f"; {short} sessions ran out of runs before {args.runs} runs' worth" if short else "")
             )
 
 
@@ -110,14 +137,14 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=1, help="sessions at once")
     ap.add_argument("--out", type=Path, default=None, help="also write the raw results as JSON here")
     ap.add_argument(
-        "--arms", default=",".join(ARMS), help="the arms to run (comma-separated); the others come from --reuse"
+        "--arms", default=",".join(ARMS), help="the arms to run (comma-separated); others may come from --reuse"
     )
     ap.add_argument(
         "--reuse", type=Path, default=None, help="an earlier --out: its sessions of the arms not run now (same seeds)"
     )
     args = ap.parse_args()
-    if set(args.arms.split(",")) - set(ARMS) or (set(args.arms.split(",")) != set(ARMS) and not args.reuse):
-        ap.error(f"--arms: some of {', '.join(ARMS)}; the others need --reuse FILE.json")
+    if set(args.arms.split(",")) - set(ARMS):
+        ap.error(f"--arms: some of {', '.join(ARMS)}")
     if args.seeds < 1 or args.runs < 2 or args.period < 1 or args.jobs < 1:
         ap.error("--seeds, --period and --jobs must be 1 or more and --runs 2 or more")
     if not args.surrogate.exists():
@@ -132,10 +159,24 @@ def main() -> int:
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp, ProcessPoolExecutor(args.jobs, initializer=die_with_parent) as pool:
         jobs = [
-            (arm, str(args.surrogate.resolve()), args.profile, method, gate, seed, args.runs, tmp, 1.0, None, drift)
+            (
+                arm,
+                str(args.surrogate.resolve()),
+                args.profile,
+                method,
+                gate,
+                seed,
+                args.runs if stop == "off" else int(STOPPED_RUNS * args.runs),
+                tmp,
+                1.0,
+                None,
+                drift,
+                stop,
+                None if stop == "off" else args.runs,
+            )
             for seed in range(args.first_seed, args.first_seed + args.seeds)
             for method in args.methods.split(",")
-            for arm, gate in ARMS.items()
+            for arm, (gate, stop) in ARMS.items()
             if arm in args.arms.split(",")
         ]
         jobs = [(j[0], *j[1:5], j[5], j[6], str(Path(tmp) / j[0]), *j[8:]) for j in jobs]

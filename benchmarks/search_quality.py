@@ -25,6 +25,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -49,12 +50,31 @@ def fresh_repo(where: Path) -> Path:
 NOOP = "false_keeps:NoOpProposer"  # edits that change nothing (comments): every keep of one is a false keep
 
 
+def true_value(source: str, profile: str, model: str) -> float:
+    """The surrogate's noise-free val_bpb of the configuration a (fake) train.py sets, as the fake computes it."""
+    from model import Surrogate
+
+    from orchestrator.proposers.space import read_space
+
+    _, config = read_space(source, profile)
+    return float(Surrogate.load(Path(model)).predict([config])[0][0])
+
+
+def run_cost(record) -> float:
+    """A run's compute in runs' worth: 1, or for a run stopped early the share of its steps it ran."""
+    stopped = re.search(r"stopped at (\d+)%", record.gate.note or "") if record.gate.why == "stopped early" else None
+    return int(stopped.group(1)) / 100 if stopped else 1.0
+
+
 def surrogate_session(job: tuple) -> dict:
     """One (method, gate, seed) session on the surrogate, in a fresh repo: what it kept, when, and how true."""
     model, profile, method, gate, seed, experiments, where, *rest = job
     noise_scale = rest[0] if rest else 1.0
     limit = rest[1] if len(rest) > 1 else None  # activations above which a run is out of memory (--oom-share)
     drift, period = rest[2] if len(rest) > 2 else (0.0, 40)  # night_value.py --drift: val_bpb amplitude, runs
+    early_stop = rest[3] if len(rest) > 3 else "off"  # night_value.py's arms: --early-stop
+    compute = rest[4] if len(rest) > 4 else None  # runs' worth to spend (stopped runs count their share), at most
+    # `experiments` runs
     os.environ.setdefault("AUTOLOOP_PROGRESS_SECONDS", "1e9")  # one result per session, not the loop's live line
     sys.path[:0] = [str(ROOT / "benchmarks" / "surrogate"), str(ROOT / "benchmarks")]
     from fake import fake_train
@@ -63,8 +83,17 @@ def surrogate_session(job: tuple) -> dict:
 
     base = Path(where) / f"{method.replace(':', '.')}-{gate}-{seed}"
     base.mkdir(parents=True)
+    pause = None if early_stop == "on" else 0.0  # the curve paced only where a stop must land (fake.PAUSE)
     train = fake_train(
-        (ROOT / "train.py").read_text(), profile, Path(model), base / "seen.json", noise_scale, limit, drift, period
+        (ROOT / "train.py").read_text(),
+        profile,
+        Path(model),
+        base / "seen.json",
+        noise_scale,
+        limit,
+        drift,
+        period,
+        **({} if pause is None else {"pause": pause}),
     )
     repo = make_git_repo(base / "repo", {"train.py": train})
     settings = Settings(
@@ -76,16 +105,26 @@ def surrogate_session(job: tuple) -> dict:
         profile=profile,
         seed=seed,
         timeout=60,
-        gate=Gate(mode=gate),
+        gate=Gate(mode=gate, early_stop=early_stop),
         sandbox="off",
         baseline_repeats=0 if gate == "strict" else 2,
         max_crashes=experiments + 1,
     )  # a streak of crashes is data here, not a broken setup
-    run_loop(settings, echo=lambda line: None)
-    records = [read_record(Paths(repo, "bench").run_dir(n)) for n in range(1, experiments + 1)]
-    records = [r for r in records if r is not None]
+    done, spent = 0, 0.0
+    while True:  # with a compute budget: the session resumed with more runs until it is spent
+        if compute is not None:
+            settings.max_experiments = min(experiments, done + math.ceil(compute - spent))  # < 1 run beyond
+        run_loop(settings, echo=lambda line: None)
+        records = [read_record(Paths(repo, "bench").run_dir(n)) for n in range(1, experiments + 1)]
+        records = [r for r in records if r is not None]
+        done, spent = len(records), sum(map(run_cost, records))
+        if compute is None or spent >= compute or done >= experiments or done < settings.max_experiments:
+            break
     true = {group_of(r): r.metrics.get("true_bpb") for r in records if r.metrics.get("true_bpb") is not None}
-    best_true, parent_true, keeps, candidates = [], {}, [], []
+    for r in records:  # a run stopped early printed no summary: its configuration's true value from the model
+        if run_cost(r) < 1 and group_of(r) not in true:
+            true[group_of(r)] = true_value(git.Repo(repo).git.show(f"{r.commit}:train.py"), profile, model)
+    best_true, parent_true, keeps, candidates, cost = [], {}, [], [], []
     state = replay([], records[0].commit if records else "")
     for r in records:
         before = true.get(state.best_group) if state.best_group else None
@@ -101,17 +140,20 @@ def surrogate_session(job: tuple) -> dict:
             parent_true[group_of(r)] = before
         state.add(r)
         best_true.append(true.get(state.best_group))
+        cost.append(run_cost(r))
         if r.status == Status.KEEP and group_of(r) in parent_true:
             keeps.append((group_of(r), parent_true[group_of(r)], true[group_of(r)]))
     kept = {g for g, _, _ in keeps}
+    stopped = {group_of(r) for r, c in zip(records, cost) if c < 1}
     for g, before in parent_true.items():
         if before is not None:
-            candidates.append((before - true[g], g in kept))
+            candidates.append((before - true[g], g in kept, g in stopped))
     return {
         "method": method,
         "gate": gate,
         "seed": seed,
         "best_true": best_true,
+        "cost": cost,
         "crashes": sum(r.status == Status.CRASH for r in records),
         "keeps": [(before, after) for _, before, after in keeps],
         "candidates": candidates,
@@ -249,8 +291,8 @@ def report_surrogate(
         rs = [r for r in results if r["method"] == "search" and r["gate"] == g]
         keeps = [k for r in rs for k in r["keeps"] if k[0] is not None]
         false = sum(after >= before for before, after in keeps)
-        noop = [kept for r in results if r["method"] == NOOP and r["gate"] == g for _, kept in r["candidates"]]
-        strong = [kept for r in rs for gain, kept in r["candidates"] if gain >= 2 * baseline_sd]
+        noop = [kept for r in results if r["method"] == NOOP and r["gate"] == g for _, kept, *_ in r["candidates"]]
+        strong = [kept for r in rs for gain, kept, *_ in r["candidates"] if gain >= 2 * baseline_sd]
         print(
             f"{g:7s} keeps {len(keeps):4d}, false keeps {false:3d} ({100 * false / max(1, len(keeps)):.1f}% of "
             f"keeps), no-op candidates kept {sum(noop)}/{len(noop)}, power {sum(strong)}/{len(strong)} "

@@ -165,3 +165,89 @@ def test_a_memory_limit_makes_configurations_too_big_for_it_run_out_of_memory(mo
             timeout=60,
         )
         assert proc.returncode and "surrogate: out of memory" in proc.stderr, proc.stderr
+
+
+def synthetic_curves(configs: list[dict], values: list[float], seed: int = 0) -> list[dict]:
+    """Training curves for synthetic(): loss at fraction f is val_bpb x (1 + slope (1 - f)), with a slope that
+    grows with DEPTH (deeper: a slower start) and 2% run-to-run noise, correlated with nothing."""
+    rng = random.Random(seed)
+    return [
+        {
+            f"{0.1 * i:.1f}": v * (1 + 0.2 * c["DEPTH"] * (1 - 0.1 * i)) * math.exp(rng.gauss(0, 0.02))
+            for i in range(1, 11)
+        }
+        for c, v in zip(configs, values)
+    ]
+
+
+@pytest.fixture(scope="module")
+def curve_model(tmp_path_factory):
+    space, enc, configs, values = synthetic(60)
+    configs += [configs[5]] * 4  # a second configuration measured more than once
+    values += [values[5] + random.Random(1).gauss(0, 0.01) for _ in range(4)]
+    path = tmp_path_factory.mktemp("surrogate") / "curves.npz"
+    fit(configs, values, enc, synthetic_curves(configs, values)).save(path)
+    return path
+
+
+@pytest.mark.slow
+def test_the_surrogate_answers_with_a_curve_its_noise_and_a_slow_start(curve_model):
+    s = Surrogate.load(curve_model)
+    _, default = read_space(SOURCE, "tiny")
+    offsets, sd, rho = s.predict_curve([{**default, "DEPTH": 1}, {**default, "DEPTH": 4}])
+    assert s.has_curve and offsets.shape == (2, 10)
+    # above the final value early, less so later; the deeper model further above (its slower start)
+    assert offsets[1, 1] > offsets[0, 1] > offsets[0, 8] > -0.05
+    assert offsets[1, 1] == pytest.approx(math.log(1 + 0.8 * 0.8), abs=0.15)
+    assert float(sd.mean()) == pytest.approx(0.02, abs=0.005) and all(abs(r) < 0.8 for r in rho)  # 7 dof each
+    space, enc, configs, values = synthetic(20)
+    assert not fit(configs, values, enc).has_curve  # one fitted without curves has none (the fake prints none)
+
+
+@pytest.mark.slow
+def test_the_fake_prints_a_training_curve_the_controller_reads(curve_model, tmp_path):
+    from orchestrator.trust.curve import parse_curve
+
+    (tmp_path / "train.py").write_text(fake_train(SOURCE, "tiny", curve_model, tmp_path / "seen.json", pause=0.0))
+    proc = subprocess.run(
+        [sys.executable, "train.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "AUTOLOOP_SEED": "1"},
+    )
+    curve = parse_curve(proc.stdout)
+    val = float(next(line.split()[1] for line in proc.stdout.splitlines() if line.startswith("val_bpb:")))
+    assert list(curve) == [f"{0.1 * i:.1f}" for i in range(1, 11)]
+    # the default (DEPTH 2) starts about 1.36x its final value and ends near it
+    assert curve["0.2"] / val == pytest.approx(1 + 0.4 * 0.8, rel=0.12)
+    assert curve["1.0"] / val == pytest.approx(1.0, rel=0.08)
+
+
+@pytest.mark.slow
+def test_the_benchmark_stops_losing_runs_of_the_real_loop_and_counts_their_compute(curve_model, tmp_path):
+    import git
+    from night_value import improvement, within
+    from search_quality import surrogate_session, true_value
+
+    from orchestrator.store.ledger import read_record
+    from orchestrator.store.session import Paths
+
+    result = surrogate_session(
+        (str(curve_model), "tiny", "search", "noise", 0, 60, str(tmp_path), 1.0, None, (0.0, 40), "on", 20)
+    )
+    cost = result["cost"]
+    stopped = [c for c in cost if c < 1]
+    assert stopped and all(0.2 < c < 0.8 for c in stopped)  # losers stopped before the warm-down, after 20%
+    assert 20 <= sum(cost) < 21 and len(cost) > 20  # resumed with more runs until 20 runs' worth is spent
+    assert within(result, 20) == len(cost) - (sum(cost) > 20)
+    assert improvement(result, 20) >= improvement(result, 10) >= 0
+    repo = tmp_path / "search-noise-0" / "repo"  # a stopped run's true value is the model's, as the fake's is
+    finished = next(
+        r for r in map(read_record, map(Paths(repo, "bench").run_dir, range(4, 40))) if r and r.metrics.get("true_bpb")
+    )
+    source = git.Repo(repo).git.show(f"{finished.commit}:train.py")
+    assert true_value(source, "tiny", str(curve_model)) == pytest.approx(finished.metrics["true_bpb"], abs=2e-6)
+    stopped_ideas = [gain for gain, _, stop in result["candidates"] if stop]
+    assert stopped_ideas and all(gain < 0 for gain in stopped_ideas)  # stopped ideas count, with their true gain

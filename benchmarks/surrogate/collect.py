@@ -184,6 +184,11 @@ def main() -> int:
         f"{done} done, {len(todo)} to go",
         flush=True,
     )
+    prepared = subprocess.run(
+        [sys.executable, str(ROOT / "prepare.py"), "--profile", args.profile], text=True, capture_output=True
+    )
+    if prepared.returncode:  # every run would crash on the missing data: say so once instead
+        sys.exit(f"collect.py: prepare.py --profile {args.profile} failed:\n{prepared.stdout}{prepared.stderr}")
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

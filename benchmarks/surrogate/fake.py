@@ -14,12 +14,15 @@ from __future__ import annotations
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+# Seconds between the points of a surrogate's training curve: the controller looks for a stop (--early-stop)
+# every 50 ms (executors/runner.py: CANCEL_TICK_S), so a stop lands at the point that decided it, or the next.
+PAUSE = 0.03
 
 BODY = """
 # ---------------------------------------------------------------------------
 # The surrogate (not a hyperparameter)
 # ---------------------------------------------------------------------------
-import fcntl, json, math, os, sys, zlib
+import fcntl, json, math, os, sys, time, zlib
 import numpy as np
 sys.path.insert(0, {here!r})
 from model import Surrogate
@@ -42,13 +45,24 @@ with open({state!r}, "a+") as f:  # how often this configuration ran before in t
 _limit = {memory_limit!r}  # set by hand (--oom-share): above it, out of memory every time
 if _limit is not None and activations(_config) > _limit:
     raise RuntimeError(f"surrogate: out of memory (activations {{activations(_config)}} > {{_limit}})")
-_mean, _sd, _crash = (float(a[0]) for a in Surrogate.load({model!r}).predict([_config]))
+_surrogate = Surrogate.load({model!r})
+_mean, _sd, _crash = (float(a[0]) for a in _surrogate.predict([_config]))
 _rng = np.random.default_rng([int(os.environ.get("AUTOLOOP_SEED", "42")), zlib.crc32(_key.encode()), _n])
 if _rng.random() < _crash:
     raise RuntimeError("surrogate: this configuration crashed (out of memory or a diverged loss)")
-_value = _mean + {noise_scale!r} * _sd * _rng.standard_normal()
-_value += {drift!r} * math.sin(2 * math.pi * _k / {period!r})  # a machine whose speed drifts (--drift)
-print("step 00100 | loss: 1.0")
+_z = _rng.standard_normal()
+_drift = {drift!r} * math.sin(2 * math.pi * _k / {period!r})  # a machine whose speed drifts (--drift)
+_value = _mean + {noise_scale!r} * _sd * _z + _drift
+if _surrogate.has_curve:  # the training curve, a point at each tenth of the steps, paced so a stop can land
+    _offsets, _curve_sd, _rho = _surrogate.predict_curve([_config])
+    print("schedule: 100 steps", flush=True)
+    for _i, (_o, _s, _r) in enumerate(zip(_offsets[0], _curve_sd, _rho)):
+        _e = {noise_scale!r} * _s * (_r * _z + math.sqrt(max(0.0, 1 - _r * _r)) * _rng.standard_normal())
+        time.sleep({pause!r})
+        _loss = math.exp(math.log(_mean) + _o + _e + _drift / _mean)
+        print(f"step {{10 * (_i + 1):05d}} ({{10.0 * (_i + 1):.1f}}%) | loss: {{_loss:.6f}}", flush=True)
+else:
+    print("step 00100 | loss: 1.0")
 print("---")
 print(f"val_bpb:          {{_value:.6f}}")
 print(f"true_bpb:         {{_mean:.6f}}")
@@ -93,13 +107,16 @@ def fake_train(
     memory_limit: int | None = None,
     drift: float = 0.0,
     period: int = 40,
+    pause: float = PAUSE,
 ) -> str:
     """The fake train.py: the real one's hyperparameter constants (this profile's values and bounds, written
     as plain constants) and the surrogate's body. `noise_scale` multiplies the surrogate's run-to-run sd (a
     stress test: the same landscape, noisier runs). A configuration whose `activations` exceed `memory_limit`
     runs out of memory, every time (a crash region set by hand: the collections on a CPU have none). `drift`
     adds drift * sin(2 pi k / period) to the k-th run of the session, whatever its configuration: a machine
-    whose speed drifts, which a time budget turns into val_bpb (true_bpb stays the configuration's own)."""
+    whose speed drifts, which a time budget turns into val_bpb (true_bpb stays the configuration's own). A
+    surrogate fitted with curves prints the run's training curve first (a point each tenth of its steps, `pause`
+    seconds apart, noise correlated with its val_bpb's as measured), so early stopping has something to stop."""
     from orchestrator.proposers.space import read_space
     from orchestrator.store.hparams import format_value, read_constants
 
@@ -125,5 +142,6 @@ def fake_train(
             memory_limit=memory_limit,
             drift=float(drift),
             period=int(period),
+            pause=float(pause),
         )
     )

@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # percentile of the log means: left as they are, those few set the scale of the fit and the GP takes the
 # differences among the rest for noise (held-out Spearman 0.65 -> 0.73 and 0.35 -> 0.49 on the two collections).
 CAP_QUANTILE = 0.9
+CURVE = tuple(f"{0.1 * i:.1f}" for i in range(1, 11))  # the curve's fractions of planned steps (collect.py's loss@)
 
 
 class Encoding:
@@ -84,10 +85,19 @@ class Surrogate:
         self.a, self.encoding = arrays, Encoding(dims)
 
     def _mean(self, x: np.ndarray) -> np.ndarray:
-        a = self.a
-        d = np.sqrt((((x[:, None, :] - a["X"][None, :, :]) / a["length_scale"]) ** 2).sum(-1)) * math.sqrt(5)
-        k = a["amplitude"] * (1 + d + d * d / 3) * np.exp(-d)
-        return np.exp(a["y_mean"] + a["y_std"] * (k @ a["alpha"]))
+        return np.exp(gp_predict(self.a, "", x))
+
+    @property
+    def has_curve(self) -> bool:
+        return "curve_sd" in self.a
+
+    def predict_curve(self, configs: list[dict]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(offsets, sd, rho) of the training loss at CURVE fractions: a run's log loss at fraction i is
+        log(its configuration's true val_bpb) + offsets[:, i] + sd[i] * (rho[i] * z + sqrt(1 - rho[i]^2) * e),
+        where z is the standard normal that drew the run's val_bpb and e a fresh one (its own batch noise)."""
+        x = self.encoding.matrix(configs)
+        offsets = np.stack([gp_predict(self.a, f"curve{i}_", x) for i in range(len(CURVE))], axis=1)
+        return offsets, self.a["curve_sd"], self.a["curve_rho"]
 
     def predict(self, configs: list[dict]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(true val_bpb, its sd between runs, crash probability) for each configuration."""
@@ -107,6 +117,39 @@ class Surrogate:
         with np.load(path) as z:
             arrays = {k: z[k] for k in z.files if k != "dims"}
             return cls(arrays, json.loads(str(z["dims"])))
+
+
+def gp_predict(a: dict, prefix: str, x: np.ndarray) -> np.ndarray:
+    """A fitted GP's mean (fit_gp's arrays under `prefix`) at encoded configurations, in the target's units."""
+    d = np.sqrt((((x[:, None, :] - a[prefix + "X"][None, :, :]) / a[prefix + "length_scale"]) ** 2).sum(-1))
+    d *= math.sqrt(5)
+    k = a[prefix + "amplitude"] * (1 + d + d * d / 3) * np.exp(-d)
+    return a[prefix + "y_mean"] + a[prefix + "y_std"] * (k @ a[prefix + "alpha"])
+
+
+def fit_gp(x: np.ndarray, y: np.ndarray, prefix: str = "") -> dict:
+    """A Gaussian process (Matern 5/2, a length scale per dimension, white noise) on standardised y: its arrays."""
+    from sklearn.exceptions import ConvergenceWarning
+    from sklearn.gaussian_process import GaussianProcessRegressor
+    from sklearn.gaussian_process.kernels import ConstantKernel, Matern, WhiteKernel
+
+    y_mean, y_std = float(y.mean()), float(y.std() or 1.0)
+    kernel = ConstantKernel(1.0, (1e-3, 1e3)) * Matern(np.ones(x.shape[1]), (1e-2, 1e2), nu=2.5) + WhiteKernel(
+        1e-2, (1e-6, 1.0)
+    )
+    gp = GaussianProcessRegressor(kernel, normalize_y=False, n_restarts_optimizer=2, random_state=0)
+    with warnings.catch_warnings():  # a length scale at its upper bound: the data show no effect of that dimension
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        gp.fit(x, (y - y_mean) / y_std)
+    k = gp.kernel_
+    return {
+        prefix + "X": x,
+        prefix + "alpha": np.asarray(gp.alpha_, dtype=float).ravel(),
+        prefix + "length_scale": np.asarray(k.k1.k2.length_scale, dtype=float),
+        prefix + "amplitude": np.array(float(k.k1.k1.constant_value)),
+        prefix + "y_mean": np.array(y_mean),
+        prefix + "y_std": np.array(y_std),
+    }
 
 
 def read_runs(csv_path: Path, space) -> tuple[list[dict], list[float | None]]:
@@ -129,6 +172,53 @@ def read_runs(csv_path: Path, space) -> tuple[list[dict], list[float | None]]:
     return configs, values
 
 
+def read_curves(csv_path: Path) -> list[dict]:
+    """Each run's training curve ({fraction key: loss}, collect.py's loss@ columns; {} where it has none)."""
+    import pandas as pd
+
+    frame = pd.read_csv(csv_path)
+    columns = [(key, f"loss@{key}") for key in CURVE if f"loss@{key}" in frame.columns]
+    return [{key: float(row[col]) for key, col in columns if not pd.isna(row[col])} for _, row in frame.iterrows()]
+
+
+def curve_table(configs: list[dict], values: list[float | None], curves: list[dict], encoding: Encoding) -> list:
+    """Per fraction: the rank correlation (Spearman, over runs) of the loss there with the run's final val_bpb,
+    and the surrogate's held-out fidelity there (5-fold: the predicted mean loss of configurations left out
+    against their measured mean)."""
+    from scipy.stats import spearmanr
+
+    rows = []
+    pairs = {key: [(c[key], v) for c, v in zip(curves, values) if v is not None and key in c] for key in CURVE}
+    ok = [i for i, v in enumerate(values) if v is not None]
+    order = np.random.default_rng(0).permutation(len(ok))
+    predicted: dict[int, np.ndarray] = {}
+    for f in range(5):
+        test = [ok[j] for k, j in enumerate(order) if k % 5 == f]
+        train = [ok[j] for k, j in enumerate(order) if k % 5 != f]
+        model = fit([configs[i] for i in train], [values[i] for i in train], encoding, [curves[i] for i in train])
+        offsets, _, _ = model.predict_curve([configs[i] for i in test])
+        means = model.predict([configs[i] for i in test])[0]
+        for i, row, mean in zip(test, offsets, means):
+            predicted[i] = np.exp(np.log(mean) + row)
+    for j, key in enumerate(CURVE):
+        runs = pairs[key]
+        by: dict[str, list] = {}
+        for i in ok:
+            if key in curves[i]:
+                by.setdefault(json.dumps(configs[i], sort_keys=True), []).append(i)
+        measured = [np.mean([curves[i][key] for i in idx]) for idx in by.values()]
+        guessed = [np.mean([predicted[i][j] for i in idx]) for idx in by.values()]
+        rows.append(
+            {
+                "fraction": key,
+                "runs": len(runs),
+                "spearman_with_final": float(spearmanr(*zip(*runs)).statistic) if len(runs) > 2 else None,
+                "held_out_spearman": float(spearmanr(guessed, measured).statistic) if len(by) > 2 else None,
+            }
+        )
+    return rows
+
+
 def group(configs: list[dict], values: list[float | None]) -> dict[str, dict]:
     """Runs by configuration: {key: {"config", "values", "crashes"}}."""
     out: dict[str, dict] = {}
@@ -147,25 +237,18 @@ def observed(groups: list[dict], encoding: Encoding) -> tuple[list[dict], np.nda
     return ok, encoding.matrix([g["config"] for g in ok]), np.log([np.mean(g["values"]) for g in ok])
 
 
-def fit(configs: list[dict], values: list[float | None], encoding: Encoding) -> Surrogate:
-    from sklearn.exceptions import ConvergenceWarning
-    from sklearn.gaussian_process import GaussianProcessRegressor
-    from sklearn.gaussian_process.kernels import ConstantKernel, Matern, WhiteKernel
+def fit(
+    configs: list[dict], values: list[float | None], encoding: Encoding, curves: list[dict] | None = None
+) -> Surrogate:
+    """The surrogate of a collection; with `curves` (each run's {fraction key: training loss}, collect.py's
+    loss@ columns), also its training curve (fit_curve)."""
     from sklearn.linear_model import LogisticRegression
 
     groups = list(group(configs, values).values())
     ok, x, y = observed(groups, encoding)
     y = np.minimum(y, np.quantile(y, CAP_QUANTILE))  # the diverged are all just bad (CAP_QUANTILE)
-    y_mean, y_std = float(y.mean()), float(y.std() or 1.0)
-    kernel = ConstantKernel(1.0, (1e-3, 1e3)) * Matern(np.ones(x.shape[1]), (1e-2, 1e2), nu=2.5) + WhiteKernel(
-        1e-2, (1e-6, 1.0)
-    )
-    gp = GaussianProcessRegressor(kernel, normalize_y=False, n_restarts_optimizer=2, random_state=0)
-    with warnings.catch_warnings():  # a length scale at its upper bound: the data show no effect of that dimension
-        warnings.simplefilter("ignore", ConvergenceWarning)
-        gp.fit(x, (y - y_mean) / y_std)
-    k = gp.kernel_
-    amplitude, length = float(k.k1.k1.constant_value), np.asarray(k.k1.k2.length_scale, dtype=float)
+    gp = fit_gp(x, y)
+    y_mean = float(gp["y_mean"])
     # the noise: log sd linear in the mean, on the configurations measured more than once
     rep = [g for g in ok if len(g["values"]) >= 2]
     if len(rep) >= 2:
@@ -194,19 +277,52 @@ def fit(configs: list[dict], values: list[float | None], encoding: Encoding) -> 
         clf = LogisticRegression(C=1.0, max_iter=2000).fit(xc, yc)
         coef, icpt = clf.coef_[0], float(clf.intercept_[0])
     arrays = {
-        "X": x,
-        "alpha": np.asarray(gp.alpha_, dtype=float).ravel(),
-        "length_scale": length,
-        "amplitude": np.array(amplitude),
-        "y_mean": np.array(y_mean),
-        "y_std": np.array(y_std),
+        **gp,
         "sd_coef": np.array([intercept, slope]),
         "sd_range": np.array(sd_range),
         "crash_coef": coef,
         "crash_intercept": np.array(icpt),
         "crash_seen": np.array(bool(seen)),
     }
+    if curves is not None and any(curves):
+        arrays.update(fit_curve(configs, values, curves, encoding))
     return Surrogate(arrays, encoding.dims)
+
+
+def fit_curve(configs: list[dict], values: list[float | None], curves: list[dict], encoding: Encoding) -> dict:
+    """The training curve's arrays: at each fraction, a GP of the configuration's mean log loss there minus the
+    log of its mean val_bpb (how far above its final value the configuration's curve runs: a slow starter's
+    runs higher early), both capped as the mean is; and the run-to-run noise of the log loss there (pooled over
+    configurations run more than once) with its correlation with the run's own val_bpb noise."""
+    out: dict = {}
+    sds, rhos = [], []
+    for i, key in enumerate(CURVE):
+        by: dict[str, dict] = {}
+        for c, v, curve in zip(configs, values, curves):
+            loss = curve.get(key)
+            if v is None or loss is None or not (math.isfinite(loss) and loss > 0):
+                continue
+            g = by.setdefault(json.dumps(c, sort_keys=True), {"config": c, "val": [], "loss": []})
+            g["val"].append(v)
+            g["loss"].append(math.log(loss))
+        groups = list(by.values())
+        x = encoding.matrix([g["config"] for g in groups])
+        log_val = np.log([np.mean(g["val"]) for g in groups])
+        log_loss = np.array([np.mean(g["loss"]) for g in groups])
+        log_val = np.minimum(log_val, np.quantile(log_val, CAP_QUANTILE))
+        log_loss = np.minimum(log_loss, np.quantile(log_loss, CAP_QUANTILE))
+        out.update(fit_gp(x, log_loss - log_val, prefix=f"curve{i}_"))
+        e_loss, e_val = [], []  # each run's deviation from its configuration's mean: log loss, val in sds
+        for g in (g for g in groups if len(g["val"]) >= 2):
+            sd = np.std(g["val"], ddof=1)
+            if sd > 0:
+                e_loss += list(np.array(g["loss"]) - np.mean(g["loss"]))
+                e_val += list((np.array(g["val"]) - np.mean(g["val"])) / sd)
+        dof = sum(len(g["val"]) - 1 for g in groups if len(g["val"]) >= 2)
+        sds.append(math.sqrt(sum(e * e for e in e_loss) / dof) if dof else 0.0)
+        rhos.append(float(np.clip(np.corrcoef(e_loss, e_val)[0, 1], -1, 1)) if len(e_loss) > 2 else 0.0)
+    out["curve_sd"], out["curve_rho"] = np.array(sds), np.array(rhos)
+    return out
 
 
 class Forest:
@@ -266,12 +382,20 @@ def main() -> int:
     space, _ = read_space((ROOT / "train.py").read_text(), args.profile)
     encoding = Encoding.from_space(space)
     configs, values = read_runs(args.csv, space)
+    curves = read_curves(args.csv)
     print(json.dumps(fidelity(configs, values, encoding)))
+    if any(curves):
+        print("fraction  runs  Spearman(loss there, final val_bpb)  held-out Spearman of the surrogate's curve")
+        for row in curve_table(configs, values, curves, encoding):
+            print(
+                f"{row['fraction']:>8s}  {row['runs']:4d}  {row['spearman_with_final'] or float('nan'):35.3f}  "
+                f"{row['held_out_spearman'] or float('nan'):.3f}"
+            )
     for kind in ("random forest", "extra trees") if args.compare else ():
         rho = fidelity(configs, values, encoding, fitter=functools.partial(Forest, kind))["spearman"]
         print(json.dumps({"model": kind, "spearman": rho}))
     if args.out:
-        fit(configs, values, encoding).save(args.out)
+        fit(configs, values, encoding, curves).save(args.out)
     return 0
 
 

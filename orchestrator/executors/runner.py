@@ -31,6 +31,7 @@ REAP_S = 10.0  # after SIGKILL: how long to wait for the exit before reporting t
 LOG_CAP_BYTES = 64 << 20  # a run's log keeps its first and last half of this much (a print in the step loop
 #                           could otherwise fill the disk)
 FLUSH_S = 0.5  # how often a capped log's tail is written out while the run goes on
+CANCEL_TICK_S = 0.05  # how often a command that may be stopped looks whether it was
 GATE_TICK_S = 0.02  # how often a command started early checks whether it may have its stdin
 
 
@@ -387,6 +388,7 @@ def run_command(
     written = stdin_text is None
     timed_out = interrupted = False
     reaped: dict[int, int | None] = {}
+    ticked = time.monotonic()
     try:
         while True:
             if not written and (stdin_gate is None or stdin_gate.is_set()):
@@ -396,6 +398,8 @@ def run_command(
             elapsed = time.monotonic() - start
             try:
                 tick = tick_s if written else min(tick_s, GATE_TICK_S)  # held at the gate: look often
+                if cancel is not None:  # a stop (early stopping's, the user's) lands within CANCEL_TICK_S
+                    tick = min(tick, CANCEL_TICK_S)
                 proc.wait(timeout=max(0.01, min(tick, timeout_s - elapsed)))
                 break
             except subprocess.TimeoutExpired:
@@ -412,8 +416,9 @@ def run_command(
                     reaped = kill_tree(proc.pid, pgid)
                     _reap(proc)
                     break
-                if on_tick is not None:
-                    on_tick(time.monotonic() - start)
+                if on_tick is not None and time.monotonic() - ticked >= tick_s:
+                    ticked = time.monotonic()
+                    on_tick(ticked - start)
     except BaseException:  # Ctrl-C, SIGTERM, or an error in a callback: nothing may outlive us
         interrupted = True
         kill_tree(proc.pid, pgid)
