@@ -113,11 +113,14 @@ def report(args, results: list[dict], wall: float) -> None:
             compute = sum(sum(r.get("cost") or [1.0] * len(r["best_true"])) for r in runs)
             better = [c for r in runs for c in r["candidates"] if c[0] > 0]
             stopped = sum(bool(c[2:] and c[2]) for c in better)
+            strong = [c for c in better if c[0] >= 2 * args.baseline_sd]
             short = sum(sum(r.get("cost") or [1.0] * len(r["best_true"])) < args.runs - 1e-9 for r in runs)
             print(
                 f"{arm:13s} keeps {len(keeps)}, false keeps {false} ({100 * false / max(1, len(keeps)):.0f}%), "
                 f"ideas judged per 100 runs' worth {100 * ideas / max(compute, 1e-9):.1f}, truly better ideas "
-                f"stopped early {stopped}/{len(better)}, runs stopped early "
+                f"stopped early {stopped}/{len(better)} (of those better by 2 sd or more: kept "
+                f"{sum(c[1] for c in strong)}/{len(strong)}, stopped {sum(bool(c[2:] and c[2]) for c in strong)}), "
+                "runs stopped early "
                 f"{sum(c < 1 for r in runs for c in r.get('cost', []))}"
                 + (f"; {short} sessions ran out of runs before {args.runs} runs' worth" if short else "")
             )
@@ -143,8 +146,9 @@ def main() -> int:
         "--reuse", type=Path, default=None, help="an earlier --out: its sessions of the arms not run now (same seeds)"
     )
     args = ap.parse_args()
-    if set(args.arms.split(",")) - set(ARMS):
-        ap.error(f"--arms: some of {', '.join(ARMS)}")
+    args.arms = [a for a in args.arms.split(",") if a]
+    if set(args.arms) - set(ARMS) or not (args.arms or args.reuse):
+        ap.error(f"--arms: some of {', '.join(ARMS)} (none: only --reuse's, reported again)")
     if args.seeds < 1 or args.runs < 2 or args.period < 1 or args.jobs < 1:
         ap.error("--seeds, --period and --jobs must be 1 or more and --runs 2 or more")
     if not args.surrogate.exists():
@@ -154,7 +158,7 @@ def main() -> int:
     from orchestrator.proposers.space import read_space
 
     _, default = read_space((ROOT / "train.py").read_text(), args.profile)
-    baseline_sd = float(Surrogate.load(args.surrogate).predict([default])[1][0])
+    baseline_sd = args.baseline_sd = float(Surrogate.load(args.surrogate).predict([default])[1][0])
     drift = (args.drift * baseline_sd, args.period)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp, ProcessPoolExecutor(args.jobs, initializer=die_with_parent) as pool:
@@ -177,7 +181,7 @@ def main() -> int:
             for seed in range(args.first_seed, args.first_seed + args.seeds)
             for method in args.methods.split(",")
             for arm, (gate, stop) in ARMS.items()
-            if arm in args.arms.split(",")
+            if arm in args.arms
         ]
         jobs = [(j[0], *j[1:5], j[5], j[6], str(Path(tmp) / j[0]), *j[8:]) for j in jobs]
         for arm in ARMS:
@@ -185,7 +189,7 @@ def main() -> int:
         results = list(pool.map(session, jobs))
     if args.reuse:
         earlier = json.loads(args.reuse.read_text())["results"]
-        results += [r for r in earlier if r["arm"] not in args.arms.split(",")]
+        results += [r for r in earlier if r["arm"] not in args.arms]
     report(args, results, time.monotonic() - t0)
     if args.out:
         args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results}))

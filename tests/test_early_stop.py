@@ -19,6 +19,10 @@ BEST = {k: [v - 0.01, v, v + 0.01] for k, v in {"0.1": 5.0, "0.2": 4.5, "0.3": 4
 MEAN = {k: sum(v) / 3 for k, v in BEST.items()}
 
 
+def SPREAD(relative_sd: float) -> dict[str, float]:  # noqa: N802  (a table's constructor)
+    return dict.fromkeys(BEST, relative_sd)
+
+
 def curve(*gaps: float) -> dict[str, float]:
     """A run's curve: the best's mean plus these gaps at 0.1, 0.2, ..."""
     return {k: MEAN[k] + g for k, g in zip(MEAN, gaps)}
@@ -34,10 +38,14 @@ TABLE = [
     (curve(0.0, 0.0, 0.0, 0.5, 0.6), {}, False, ""),  # behind only from the warm-down on (0.5): never looked at
     (curve(0.0, 0.5, 0.6), {"last": 0.3}, False, ""),  # a warm-down that starts at 0.3 leaves 0.2 alone
     (curve(0.5, 0.5), {}, False, ""),  # behind at one look only (0.1 is never looked at)
-    (curve(0.03, 0.03, 0.03), {}, False, ""),  # behind, within the band (4 sd of the best's runs)
+    (curve(0.03, 0.03, 0.03), {}, False, ""),  # behind, within the band (3 sd of the best's runs and the 1% floor)
     (curve(0.03, 0.03, 0.03), {"z": 1.0, "floor": 0.0}, True, "stopped"),  # a narrower band stops it
     (curve(0.02, 0.045, 0.05), {"z": 0.1}, False, ""),  # within the floor (1% of the loss)
     (curve(-0.5, -0.5, -0.5), {}, False, ""),  # ahead: never
+    # a spread pooled over many configurations' runs (relative sd) stands in for the best's own runs'
+    (curve(0.06, 0.06, 0.06), {"z": 8.0}, False, ""),  # 8 sd of the best's own runs: within
+    (curve(0.06, 0.06, 0.06), {"z": 8.0, "spread": SPREAD(0.001)}, True, "stopped at 30%"),  # pooled: narrower
+    (curve(0.5, 0.5, 0.5), {"spread": SPREAD(0.05)}, False, ""),  # wider (5%: a 0.9 band at 4.5): runs on
 ]
 
 
@@ -49,10 +57,30 @@ def test_the_rule(run, settings, stopped, word):
         assert "vs the best's" in why and "± " in why and "(3 runs)" in why
 
 
-def test_a_fraction_the_best_ran_once_is_not_judged():
+def test_a_fraction_the_best_ran_once_is_judged_only_with_a_pooled_spread():
     once = {k: v[:1] for k, v in BEST.items()}
     assert behind(StopRule(once), curve(1.0, 1.0, 1.0, 1.0)) == ""
-    assert StopRule.from_dict(StopRule(BEST, last=0.4).to_dict()) == StopRule(BEST, last=0.4)
+    assert "(1 runs)" in behind(StopRule(once, spread=SPREAD(0.01)), curve(1.0, 1.0, 1.0, 1.0))
+    rule = StopRule(BEST, last=0.4, spread=SPREAD(0.02))
+    assert StopRule.from_dict(json.loads(json.dumps(rule.to_dict()))) == rule  # as a Ray job's spec carries it
+
+
+def test_the_pooled_spread_is_the_relative_sd_between_runs_of_one_configuration():
+    import math
+    from types import SimpleNamespace
+
+    from orchestrator.core.trial import curve_spread
+
+    def run(group: int, loss: float) -> SimpleNamespace:
+        return SimpleNamespace(n=group, group=group, curve={"0.3": loss, "0.4": loss / 2})
+
+    # two configurations at different levels, each 2% apart between its runs; a third run once (no dof)
+    runs = [run(1, 4.0), run(1, 4.0 * math.exp(0.02)), run(2, 2.0), run(2, 2.0 * math.exp(0.02)), run(3, 9.0)]
+    assert curve_spread(runs) == {}  # 2 degrees of freedom: too few to stand in for the best's own runs
+    runs += [run(1, 4.0 * math.exp(0.01)), run(2, 2.0 * math.exp(0.01)), run(4, 3.0), run(4, 3.0)]
+    spread = curve_spread(runs)
+    assert set(spread) == {"0.3", "0.4"} and spread["0.3"] == pytest.approx(spread["0.4"])
+    assert spread["0.3"] == pytest.approx(math.sqrt(2 * 2 * 0.01**2 / 5), rel=1e-6)  # 2 x SS 2e-4 over 5 dof
 
 
 def progress(loss: dict[str, float], steps: int = 20) -> bytes:
@@ -190,3 +218,22 @@ def test_a_run_printing_junk_at_full_speed_costs_the_watch_little():
     before = dict(watch.curve or {})
     watch(b"step 00020 (100.0%) | loss: 1.0\n")  # past the last look: no longer read
     assert watch.curve == before
+
+
+def test_an_audit_trains_a_would_be_stopped_run_on_and_one_that_beats_the_best_turns_stopping_off(
+    fake_repo, plan, tmp_path
+):
+    """Seed 6 draws run 4 as an audit (trial.AUDIT_SHARE of the runs) and runs 5-7 as not. The idea's curve is
+    far behind the best's, yet it scores better: audited, it trains to the end and says it would have been
+    stopped; then nothing more is stopped against this best, its run again included."""
+    counter = tmp_path / "runs"
+    repo = fake_repo(trained(counter, {}, pause=0.05))
+    behind = {k: 0.5 for k in ("0.2", "0.3", "0.4")}
+    plan([{"description": "low curve, better score", "train": trained(counter, behind, pause=0.05, bpb=0.9)}])
+    run(repo, max_experiments=5, seed=6, gate=Gate(early_stop="on", max_repeats=3))
+    paths = Paths(repo, "e")
+    audited, again = read_record(paths.run_dir(4)), read_record(paths.run_dir(5))
+    assert audited.val_bpb == pytest.approx(0.9, abs=0.011) and "1.0" in audited.curve
+    assert audited.info["would_stop"].startswith("stopped at 30% of its steps")
+    assert again.group == 4 and again.val_bpb is not None and "would_stop" not in again.info  # not even judged
+    assert "stopped" not in read_rows(paths.ledger)[4].description

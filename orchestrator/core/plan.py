@@ -121,7 +121,7 @@ def as_running(record: Record) -> Record:
 def again(ws: Workspace, state: State, first: Record, description: str, info: dict, kind: Kind) -> Prepared:
     """A run of an earlier candidate's edit again, on the best (the one it was made on: a pending candidate
     keeps the best where it is)."""
-    kept = {k: v for k, v in first.info.items() if k not in ("queue_id", "usage", "infra_failures")}
+    kept = {k: v for k, v in first.info.items() if k not in ("queue_id", "usage", "infra_failures", "would_stop")}
     patch = (ws.paths.run_dir(first.n) / "diff.patch").read_text()
     return Prepared(
         base=state.best_commit, description=description, patch=patch, group=first.n, info={**kept, **info}, kind=kind

@@ -6,6 +6,8 @@ What counts is the harness's measurement of the saved model, never the number tr
 
 from __future__ import annotations
 
+import math
+import random
 import secrets
 import site
 import statistics
@@ -169,11 +171,25 @@ WARMDOWN = "WARMDOWN_RATIO"  # train.py's share of the steps the learning rate w
 LAST_LOOK = 0.8  # early stopping never looks later than this share of the planned steps
 
 
-def stop_rule(ws: Workspace, state: State, kind: Kind, wt: git.Repo) -> StopRule | None:
-    """--early-stop on: the rule a new idea's run (or a pending one's again) is stopped by, from the curves of the
-    best's counted runs; None for the best's own runs, before the best has two runs with curves, or when off.
-    It looks only before the warm-down of either (train.py's WARMDOWN_RATIO; without one, before half-way)."""
+AUDIT_SHARE = 0.1  # of the runs the rule judges: applied, never obeyed (they train to the end: is it right?)
+
+
+def stop_rule(ws: Workspace, state: State, kind: Kind, wt: git.Repo, n: int) -> StopRule | None:
+    """--early-stop on: the rule run n (a new idea's, or a pending one's again) is stopped by, from the curves of
+    the best's counted runs; None for the best's own runs, before the best has two runs with curves, or when off.
+    It looks only before the warm-down of either (train.py's WARMDOWN_RATIO; without one, before half-way).
+
+    One run in ten (AUDIT_SHARE, drawn from the session's seed and n) is an audit: it trains to the end, and
+    its record says whether the rule would have stopped it (info "would_stop"). Once an audited run the rule
+    would have stopped scores below the best's mean, nothing more is stopped against that best: its curves
+    mislead (an edit whose curve runs low for its val_bpb; or printed low on purpose: the curves are the
+    runs' own output)."""
     if ws.settings.gate.early_stop != "on" or kind not in (Kind.CANDIDATE, Kind.RERUN, Kind.CONFIRM):
+        return None
+    mean = state.best_bpb
+    if mean is not None and any(
+        r.n > state.kept_at and r.info.get("would_stop") and state.counted(r) and r.bpb < mean for r in state.records
+    ):
         return None
     device = state.records[-1].device if state.records else ""  # curves are compared on one device type only
     best = [
@@ -182,7 +198,8 @@ def stop_rule(ws: Workspace, state: State, kind: Kind, wt: git.Repo) -> StopRule
         if group_of(r) == state.best_group and state.counted(r) and r.curve and r.device == device
     ]
     curves = {key: [r.curve[key] for r in best if key in r.curve] for key in CURVE_KEYS}
-    if not any(len(v) >= 2 for v in curves.values()):
+    spread = curve_spread([r for r in state.records if state.counted(r) and r.curve and r.device == device])
+    if not any(len(v) >= (1 if k in spread else 2) for k, v in curves.items()):
         return None
     ratios = [  # the run's train.py and the best's
         warmdown(ws, (gitops.tree(wt) / "train.py").read_text(errors="replace")),
@@ -190,7 +207,30 @@ def stop_rule(ws: Workspace, state: State, kind: Kind, wt: git.Repo) -> StopRule
     ]
     known = [r for r in ratios if r is not None]
     last = min(LAST_LOOK, 1 - max(known)) if known else 0.5
-    return StopRule({k: v for k, v in curves.items() if len(v) >= 2}, last=last)
+    audit = random.Random(f"{ws.settings.seed}:audit:{n}").random() < AUDIT_SHARE
+    return StopRule({k: v for k, v in curves.items() if v}, last=last, spread=spread, audit=audit)
+
+
+SPREAD_DOF = 4  # runs' worth (beyond one per configuration) a pooled curve spread needs before it is used
+
+
+def curve_spread(records: list) -> dict[str, float]:
+    """Per curve fraction, the sd of the log of the loss between runs of one configuration, pooled over every
+    configuration with two runs or more there (a relative sd: configurations' losses differ in level, hardly in
+    relative noise); only where SPREAD_DOF degrees of freedom or more back it."""
+    by: dict[tuple[int, str], list[float]] = {}
+    for r in records:
+        for key, loss in r.curve.items():
+            if isinstance(loss, (int, float)) and loss > 0 and math.isfinite(loss):
+                by.setdefault((group_of(r), key), []).append(math.log(loss))
+    out = {}
+    for key in CURVE_KEYS:
+        groups = [v for (_, k), v in by.items() if k == key and len(v) >= 2]
+        dof = sum(len(v) - 1 for v in groups)
+        if dof >= SPREAD_DOF:
+            ss = sum(sum((x - sum(v) / len(v)) ** 2 for x in v) for v in groups)
+            out[key] = math.sqrt(ss / dof)
+    return out
 
 
 def warmdown(ws: Workspace, source: str) -> float | None:
@@ -275,7 +315,7 @@ def start(
     if run.crash:
         return
     run.job = build_job(ws, gitops.tree(wt), run_dir)
-    rule = stop_rule(ws, state, prepared.kind, wt)
+    rule = stop_rule(ws, state, prepared.kind, wt, n)
     run.job.stop_rule = rule.to_dict() if rule else None
     run.handle, run.done = submit(ws, executor, run.job, slot, record), False
     run.started = time.monotonic()
@@ -444,6 +484,8 @@ def measure(
     # printed: information, and at most a reason to stop or discard a run early, never to keep one.
     record.curve = read_curve(train_step.log)
     printed = val_bpb_of(record.metrics)
+    if result.audited:  # an audit of --early-stop: it trained on; would the rule have stopped it?
+        record.info["would_stop"] = result.audited
     if result.stopped:  # --early-stop ended its training: no evaluation, a discard on its curve's evidence
         return Crash(f"the run modified {', '.join(result.modified)}", Phase.AUDIT) if result.modified else None
     if train_step.timed_out:

@@ -84,6 +84,7 @@ class JobResult:
     infra_error: str = ""  # the executor failed (node lost, worker died): run the job again elsewhere
     interrupted: bool = False
     stopped: str = ""  # why --early-stop stopped the training step (the later steps did not run)
+    audited: str = ""  # an audited run (StopRule.audit) trained to the end: why the rule would have stopped it
 
     @property
     def ok(self) -> bool:
@@ -264,6 +265,8 @@ def run_steps(
             if by_rule:  # stopped by the rule, not by the user: a result, judged as such (its edits too)
                 result.stopped = curve.why
                 break
+            if curve is not None and curve.rule.audit:
+                result.audited = curve.why
             if run.timed_out or run.exit_code != 0 or result.modified:
                 break
     finally:

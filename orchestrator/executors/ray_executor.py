@@ -131,6 +131,7 @@ def _node_job(spec: dict, files: dict[str, bytes], inputs: dict[str, bytes], sta
             "node": result.node,
             "interrupted": result.interrupted,
             "stopped": result.stopped,
+            "audited": result.audited,
             "visible": env["CUDA_VISIBLE_DEVICES"],
             "outputs": {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()},
         }
@@ -221,6 +222,7 @@ class RayHandle(Handle):
             slot=self._slot.index,
             interrupted=data["interrupted"],
             stopped=data.get("stopped", ""),
+            audited=data.get("audited", ""),
         )
         return self._result
 

@@ -82,18 +82,23 @@ class StopRule:
     - only at the fractions from `first` up to, not including, `last`: the learning rate's warm-down starts at
       `last` (train.py's 1 - WARMDOWN_RATIO), and during it every curve drops; the first steps say little;
     - behind at a fraction: the run's loss above the mean of the best's runs there by more than `z` times their
-      spread (its sd, for a new run: sqrt(1 + 1/n)) and more than `floor` of that mean;
+      spread (its sd, for a new run: sqrt(1 + 1/n)) and more than `floor` of that mean. The spread is
+      `spread[key]` (a relative sd pooled over every configuration run more than once: many runs' worth, so one
+      lucky pair of the best's runs cannot make the band narrow) times the best's mean, else the sd of the best's
+      own runs there;
     - stopped when behind at two fractions in a row without closing the gap: a slow starter (a larger batch, a
       deeper model) that is behind early but catching up is left to run.
 
-    The best's spread is learned from its runs' curves (2 at least at a fraction, else that fraction is not
-    judged). `best` maps a fraction key ("0.3") to the best's runs' losses there."""
+    A fraction is judged where the best has 2 runs there, or 1 and a pooled spread. `best` maps a fraction key
+    ("0.3") to the best's runs' losses there."""
 
     best: dict[str, list[float]]
     first: float = 0.2
     last: float = 0.5
-    z: float = 4.0
+    z: float = 3.0
     floor: float = 0.01
+    spread: dict[str, float] = field(default_factory=dict)  # fraction key -> relative sd pooled over configurations
+    audit: bool = False  # applied, never obeyed: the run trains to the end and its record says whether it would stop
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -110,9 +115,11 @@ def behind(rule: StopRule, curve: dict[str, float]) -> str:
     previous: tuple[float, float] | None = None  # (gap, band) at the fraction judged before
     for key in CURVE_KEYS:
         values = rule.best.get(key, [])
-        if not rule.first <= float(key) < rule.last or key not in curve or len(values) < 2:
+        pooled = rule.spread.get(key)
+        if not rule.first <= float(key) < rule.last or key not in curve or len(values) < (1 if pooled else 2):
             continue
-        mean, sd = statistics.fmean(values), statistics.stdev(values)
+        mean = statistics.fmean(values)
+        sd = pooled * abs(mean) if pooled else statistics.stdev(values)
         band = max(rule.z * sd * math.sqrt(1 + 1 / len(values)), rule.floor * abs(mean))
         gap = curve[key] - mean
         if gap > band and previous is not None and previous[0] > previous[1] and gap >= previous[0]:
@@ -160,7 +167,7 @@ class CurveWatch:
         if passed > self.judged:
             self.judged = passed
             self.why = behind(self.rule, self.curve or {})
-            if self.why:
+            if self.why and not self.rule.audit:
                 self.fired.set()
             past = CURVE_FRACTIONS[self.judged - 1] >= self.rule.last
             self.done = bool(self.why) or past
