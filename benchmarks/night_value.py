@@ -82,6 +82,7 @@ def report(args, results: list[dict], wall: float) -> None:
     print(
         f"\n{args.surrogate.name}: {args.seeds} paired seeds x {args.runs} runs per arm, methods {args.methods}"
         + (f", drift +-{args.drift:g} baseline sd over {args.period} runs" if args.drift else "")
+        + (f", noise x{args.noise_scale:g}" if args.noise_scale != 1 else "")
         + f"; {wall:.0f} s"
     )
     arms = [a for a in ARMS if any(r["arm"] == a for r in results)]
@@ -137,6 +138,9 @@ def main() -> int:
     ap.add_argument("--checkpoints", default="30,100,300", help="report the improvement after these many runs")
     ap.add_argument("--drift", type=float, default=0.0, help="a drifting machine: amplitude in baseline sd")
     ap.add_argument("--period", type=int, default=40, help="the drift's period, in runs")
+    ap.add_argument(
+        "--noise-scale", type=float, default=1.0, help="runs this many times noisier than measured (a stress test)"
+    )
     ap.add_argument("--jobs", type=int, default=1, help="sessions at once")
     ap.add_argument("--out", type=Path, default=None, help="also write the raw results as JSON here")
     ap.add_argument(
@@ -149,8 +153,8 @@ def main() -> int:
     args.arms = [a for a in args.arms.split(",") if a]
     if set(args.arms) - set(ARMS) or not (args.arms or args.reuse):
         ap.error(f"--arms: some of {', '.join(ARMS)} (none: only --reuse's, reported again)")
-    if args.seeds < 1 or args.runs < 2 or args.period < 1 or args.jobs < 1:
-        ap.error("--seeds, --period and --jobs must be 1 or more and --runs 2 or more")
+    if args.seeds < 1 or args.runs < 2 or args.period < 1 or args.jobs < 1 or args.noise_scale < 0:
+        ap.error("--seeds, --period and --jobs must be 1 or more, --runs 2 or more, --noise-scale 0 or more")
     if not args.surrogate.exists():
         ap.error(f"no surrogate at {args.surrogate} (benchmarks/surrogate/ holds the fitted ones)")
     from model import Surrogate
@@ -172,7 +176,7 @@ def main() -> int:
                 seed,
                 args.runs if stop == "off" else int(STOPPED_RUNS * args.runs),
                 tmp,
-                1.0,
+                args.noise_scale,
                 None,
                 drift,
                 stop,

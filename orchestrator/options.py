@@ -284,7 +284,7 @@ RUN_OPTIONS: list[click.Option] = [
         ["--false-keep-rate"],
         section=GATE,
         type=click.FloatRange(min=0.0001, max=0.5),
-        default=0.02,
+        default=0.035,
         show_default=True,
         help="The chance, at most, that the noise gate keeps a change that does nothing "
         "(over all of the candidate's runs).",
@@ -320,7 +320,8 @@ RUN_OPTIONS: list[click.Option] = [
         default="off",
         show_default=True,
         help="on: stop a candidate's run whose training loss is clearly behind the best's runs at equal fractions "
-        "of their planned steps, before the warm-down (recorded as a discard, with the evidence).",
+        "of their planned steps, before the warm-down (recorded as a discard, with the evidence); one judged run in "
+        "ten trains on as an audit of the rule.",
     ),
     # Safety
     RunOption(

@@ -68,7 +68,7 @@ def test_a_chosen_tag_refuses_a_changed_session_and_names_every_difference(fake_
         "session 't' was started with other settings",
         "budget 1s (now 2s)",
         "seed 42 (now 7)",
-        "gate noise alpha 0.02 looks 10 min 0 (now strict alpha 0.02 looks 10 min 0)",
+        "gate noise alpha 0.035 looks 10 min 0 (now strict alpha 0.035 looks 10 min 0)",
         "--tag t-2",
     ):
         assert part in changed.stderr, changed.stderr

@@ -28,7 +28,7 @@ PARENT_RUNS = 12  # runs of the best at most that a pending candidate asks for (
 COMPARISON_RUNS = 3  # runs of the best at most that one candidate's comparison asks for
 FLOOR = 67.0  # every look's weight has this added: early looks keep a share however steep SPEND is
 SPEND = 4.0  # the false-keep budget of look k grows as k**SPEND (benchmarks/README.md: the keep gate)
-FUTILITY = (0.0, 0.5, 1.0)  # t at look 1, 2, 3.. not above which a candidate is discarded without more runs
+FUTILITY = (0.0, 0.5, 1.0, 1.25, 1.5)  # t at look 1, 2, ..., 5 and later not above which: discarded, no more runs
 MIN_PRIOR_DOF = 2  # the reference counts for at least this many runs, however much configurations differ
 SIMPLER_T = 1.0  # a shorter train.py may be worse by at most this many standard errors
 RESOLUTION = 1e-6  # val_bpb is printed to 6 decimals: no spread or standard error is taken below this
@@ -37,7 +37,7 @@ RESOLUTION = 1e-6  # val_bpb is printed to 6 decimals: no spread or standard err
 @dataclass
 class Gate:
     mode: str = "noise"  # noise | strict (upstream: keep if lower at all)
-    alpha: float = 0.02  # the chance, at most, that a change that does nothing is kept (one-sided, all looks)
+    alpha: float = 0.035  # the chance, at most, that a change that does nothing is kept (one-sided, all looks)
     min_delta: float = 0.0  # a kept change must also be better by this much, in val_bpb
     max_repeats: int = 10  # runs of one candidate at most, the first included (its looks)
     early_stop: str = "off"  # on: a candidate's run clearly behind the best's curves is stopped (trust/curve.py)
