@@ -53,10 +53,15 @@ def session(job: tuple) -> dict:
     return result
 
 
+def costs(result: dict) -> list[float]:
+    """Each run's compute in runs' worth (sessions saved before costs were recorded: 1 each)."""
+    return result.get("cost") or [1.0] * len(result["best_true"])
+
+
 def within(result: dict, compute: float) -> int:
     """How many of the session's runs fit in this much compute (runs' worth: a stopped run counts its share)."""
     spent, n = 0.0, 0
-    for cost in result.get("cost") or [1.0] * len(result["best_true"]):
+    for cost in costs(result):
         if spent + cost > compute + 1e-9:
             break
         spent, n = spent + cost, n + 1
@@ -111,11 +116,11 @@ def report(args, results: list[dict], wall: float) -> None:
             keeps = [k for r in runs for k in r["keeps"] if k[0] is not None]
             false = sum(after >= before for before, after in keeps)
             ideas = sum(len(r["candidates"]) for r in runs)
-            compute = sum(sum(r.get("cost") or [1.0] * len(r["best_true"])) for r in runs)
+            compute = sum(sum(costs(r)) for r in runs)
             better = [c for r in runs for c in r["candidates"] if c[0] > 0]
             stopped = sum(bool(c[2:] and c[2]) for c in better)
             strong = [c for c in better if c[0] >= 2 * args.baseline_sd]
-            short = sum(sum(r.get("cost") or [1.0] * len(r["best_true"])) < args.runs - 1e-9 for r in runs)
+            short = sum(sum(costs(r)) < args.runs - 1e-9 for r in runs)
             print(
                 f"{arm:13s} keeps {len(keeps)}, false keeps {false} ({100 * false / max(1, len(keeps)):.0f}%), "
                 f"ideas judged per 100 runs' worth {100 * ideas / max(compute, 1e-9):.1f}, truly better ideas "

@@ -22,6 +22,7 @@ better) and power (the share of candidates truly better by 2 baseline σ or more
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -52,12 +53,18 @@ NOOP = "false_keeps:NoOpProposer"  # edits that change nothing (comments): every
 
 def true_value(source: str, profile: str, model: str) -> float:
     """The surrogate's noise-free val_bpb of the configuration a (fake) train.py sets, as the fake computes it."""
-    from model import Surrogate
-
     from orchestrator.proposers.space import read_space
 
     _, config = read_space(source, profile)
-    return float(Surrogate.load(Path(model)).predict([config])[0][0])
+    return float(_load(model).predict([config])[0][0])
+
+
+@functools.lru_cache(maxsize=4)
+def _load(model: str):
+    """A fitted surrogate, read once per process (true_value is asked for every stopped run)."""
+    from model import Surrogate
+
+    return Surrogate.load(Path(model))
 
 
 def run_cost(record) -> float:
