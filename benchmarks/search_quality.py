@@ -81,6 +81,7 @@ def surrogate_session(job: tuple) -> dict:
     drift, period = rest[2] if len(rest) > 2 else (0.0, 40)  # night_value.py --drift: val_bpb amplitude, runs
     early_stop = rest[3] if len(rest) > 3 else "off"  # night_value.py's arms: --early-stop
     compute = rest[4] if len(rest) > 4 else None  # runs' worth to spend (stopped runs count their share), at most
+    options = rest[5] if len(rest) > 5 else {}  # the proposer's options (hybrid_value.py: --hybrid-llm)
     # `experiments` runs
     os.environ.setdefault("AUTOLOOP_PROGRESS_SECONDS", "1e9")  # one result per session, not the loop's live line
     sys.path[:0] = [str(ROOT / "benchmarks" / "surrogate"), str(ROOT / "benchmarks")]
@@ -116,6 +117,7 @@ def surrogate_session(job: tuple) -> dict:
         sandbox="off",
         baseline_repeats=0 if gate == "strict" else 2,
         max_crashes=experiments + 1,
+        options=dict(options),
     )  # a streak of crashes is data here, not a broken setup
     done, spent = 0, 0.0
     while True:  # with a compute budget: the session resumed with more runs until it is spent
@@ -162,6 +164,8 @@ def surrogate_session(job: tuple) -> dict:
         "best_true": best_true,
         "cost": cost,
         "crashes": sum(r.status == Status.CRASH for r in records),
+        "duplicates": sum(r.gate.decision == "duplicate" for r in records),  # repeats caught, never run
+        "sources": [r.info.get("source") for r in records if group_of(r) == r.n and r.info.get("source")],
         "keeps": [(before, after) for _, before, after in keeps],
         "candidates": candidates,
     }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import shlex
 import sys
@@ -62,6 +63,62 @@ def doctor(ctx: click.Context, **values) -> None:
         )
         sys.exit(1)
     click.echo("doctor: ready" + (f" ({warned} warning{'s' if warned > 1 else ''})" if warned else ""))
+
+
+VERIFY_OPTIONS = (  # of run's options, those that say how and where runs execute (the rest are the session's)
+    "repo",
+    "tag",
+    "transfer",
+    "timeout",
+    "max_crashes",
+    "sandbox",
+    "sandbox_net",
+    "pass_env",
+    "executor",
+    "workers",
+    "tracker",
+    "max_log_mb",
+)
+
+
+def verify_params() -> list[click.Parameter]:
+    from .options import PLUGIN_SECTIONS, plugin_options
+
+    executors = {o.name for o in plugin_options() if getattr(o, "section", "") == PLUGIN_SECTIONS["executor"]}
+    params = [copy.copy(p) for p in RUN_OPTIONS if p.name in VERIFY_OPTIONS or p.name in executors]
+    for p in params:
+        if p.name == "tag":
+            p.help = "Session to verify.  [default: the latest]"
+    return params
+
+
+@main.command(cls=RunCommand, params=verify_params())
+@click.pass_context
+def verify(ctx: click.Context, **values) -> None:
+    """Which kept changes of a session matter, and does its best hold at a longer budget? Leave-one-out
+    ablation of each kept change, the minimal stack (branch autoloop/<tag>-minimal), the transfer to --transfer
+    times the budget on the held-out split. Runs with the session's budget, seed, data and gate; Ctrl-C stops
+    it and the same command resumes it. The result: verify.json, `autoloop report`, `autoloop status`."""
+    from .loop import Terminated, verify_session
+    from .options import PLUGIN_KINDS, plugins
+    from .store.session import latest_tag
+
+    repo = values["repo"]
+    if values["tag"] is None:
+        values["tag"] = latest_tag(repo)
+        if values["tag"] is None:
+            raise click.ClickException(f"no autoloop session in {repo}; run one with `autoloop run` first")
+    for kind in PLUGIN_KINDS:  # the options verify does not take keep their defaults
+        for option in plugins.options(kind):
+            values.setdefault(option.name, None)
+    settings = settings_from(ctx, values)
+    settings.tag_given = True
+    try:
+        verify_session(settings, echo=lambda line: click.echo(line))
+    except LoopError as e:
+        raise click.ClickException(str(e)) from None
+    except KeyboardInterrupt as e:
+        sys.exit(143 if isinstance(e, Terminated) else 130)
 
 
 @main.command()
@@ -162,12 +219,35 @@ def report(repo: Path, tag: str | None, as_json: bool, out: Path | None) -> None
     "--status", "status_", type=click.Choice(["keep", "discard", "crash"]), help="Only rows with this status."
 )
 @click.option("--limit", type=click.IntRange(min=1), help="Only the last N rows.")
-def results(repo: Path, tag: str | None, status_: str | None, limit: int | None) -> None:
+@click.option(
+    "--verify", "verify_runs", is_flag=True, help="The runs of `autoloop verify` instead (not in results.tsv)."
+)
+def results(repo: Path, tag: str | None, status_: str | None, limit: int | None, verify_runs: bool) -> None:
     """List a session's rows as a readable table."""
-    from .views.report import table
+    from .views.report import table, verify_table
 
     _, paths = session_paths(repo, tag)
-    click.echo(table(paths, status_, limit))
+    click.echo(verify_table(paths, limit) if verify_runs else table(paths, status_, limit))
+
+
+@main.command()
+@repo_option
+@click.option("--tag", callback=check_tag, envvar=env_name("tag"), help="Session to show.  [default: the latest]")
+@click.option(
+    "--chars", type=click.IntRange(min=500), default=6000, show_default=True, help="Size of the journal, at most."
+)
+def journal(repo: Path, tag: str | None, chars: int) -> None:
+    """Print what a session has learned, as its LLM prompts carry it: the kept changes, what was tried and not
+    kept by theme, the crashes, the open leads, the repeats caught (and not run)."""
+    from .core.state import load_state
+    from .proposers.memory import journal as journal_text
+
+    _, paths = session_paths(repo, tag)
+    try:
+        state = load_state(paths)
+    except LoopError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(journal_text(state.records, chars))
 
 
 @main.command()

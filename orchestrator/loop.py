@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import re
 import signal
@@ -35,7 +36,7 @@ from .store.session import Lock, write_status
 from .store.spend import Spend
 from .trackers.base import Trackers
 
-__all__ = ["Settings", "Terminated", "run_loop"]
+__all__ = ["Settings", "Terminated", "run_loop", "verify_session"]
 
 
 class Terminated(KeyboardInterrupt):
@@ -117,7 +118,76 @@ def _session(settings: Settings, echo: Callable[[str], None]) -> State:
             holdout_check(ws, executor, state, echo)
         finally:  # a Ctrl-C during the held-out check still closes the trackers' runs
             trackers.finish(state, stop)
+        if settings.verify:
+            if state.best_group in (0, state.baseline_group):
+                echo("autoloop: verify: nothing was kept beyond the baseline; nothing to verify")
+            else:
+                verify_open(ws, executor, state, Trackers(settings.trackers, ws, echo))
         return state
+
+
+def verify_open(ws: Workspace, executor: Executor, state: State, trackers: Trackers) -> dict:
+    """`autoloop verify` in an open session (lock held): on any way out no run of it lives on; the trackers get
+    the result."""
+    from .core.verify import verify
+
+    try:
+        result = verify(ws, executor, state, ws.settings.transfer, ws.echo)
+    except BaseException as error:
+        with signals(signal.SIGINT, signal.SIG_IGN), signals(signal.SIGTERM, signal.SIG_IGN):
+            ws.processes.kill_all()
+            write_status(ws.paths, phase="stopped", train_pid=None, train_pids={}, running=[])
+        if isinstance(error, KeyboardInterrupt):
+            ws.echo("autoloop: verify interrupted; its finished runs are kept: the same command resumes it")
+        raise
+    trackers.start(state)
+    trackers.finish(state, "verified")
+    return result
+
+
+def verify_session(settings: Settings, echo: Callable[[str], None] = print) -> dict:
+    """`autoloop verify`: the session under settings.tag, with the settings it was pinned to (budget, seed,
+    data, gate), verified (or its verification resumed)."""
+    from .store.session import Paths
+
+    paths = Paths(settings.repo, settings.tag)
+    try:
+        pinned = json.loads(paths.session.read_text())
+    except (OSError, ValueError):
+        raise LoopError(
+            f"no autoloop session {settings.tag!r} in {settings.repo} (no {paths.session}); run one with "
+            "`autoloop run`, or pass --tag / --repo"
+        ) from None
+    settings = dataclasses.replace(settings, **pinned_fields(pinned))
+    load_statistics()
+    ws = Workspace(settings, echo)
+    with Lock(ws.paths.lock), open_executor(settings) as executor, signals(signal.SIGTERM, _terminate):
+        preflight(settings, executor.slots)
+        ws.open(executor)
+        state = ws.resume()
+        if state.best_group in (0, state.baseline_group):
+            raise LoopError(f"session {settings.tag} kept nothing beyond its baseline: there is nothing to verify")
+        return verify_open(ws, executor, state, Trackers(settings.trackers, ws, echo))
+
+
+def pinned_fields(session: dict) -> dict:
+    """The Settings a session was pinned to (session.json "pin"): budget, seed, profile, dataset, gate."""
+    from .core.noise import Gate
+
+    pin = session.get("pin") or {}
+    out: dict = {}
+    if isinstance(pin.get("budget"), (int, float)):
+        out["budget"] = float(pin["budget"])
+    if isinstance(pin.get("seed"), int):
+        out["seed"] = pin["seed"]
+    for key in ("profile", "dataset"):
+        if pin.get(key):
+            out[key] = pin[key]
+    found = re.match(r"(\w+) alpha (\S+) looks (\d+) min (\S+)( early-stop on)?", str(pin.get("gate", "")))
+    if found:
+        mode, alpha, looks, floor, early = found.groups()
+        out["gate"] = Gate(mode, float(alpha), float(floor), int(looks), "on" if early else "off")
+    return out
 
 
 @contextlib.contextmanager
@@ -190,6 +260,8 @@ def open_executor(settings: Settings) -> Iterator[Executor]:
 def finished(ws: Workspace, state: State, run: Run) -> Finished:
     """A finished run for the judge: its crash noted on the record, and whether its train.py is shorter."""
     record = run.record
+    if run.duplicate:  # an idea already judged from this parent: not run (proposers/memory.py)
+        return Finished(record, run.kind, duplicate=run.duplicate)
     if run.crash:
         record.reason, record.phase, record.val_bpb = run.crash.reason, run.crash.phase.value, None
         record.cause = run.crash.cause.value

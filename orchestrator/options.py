@@ -17,6 +17,7 @@ from click.core import ParameterSource
 
 from . import plugins
 from .executors.base import Executor
+from .plugins import FiniteRange
 
 try:
     import tomllib
@@ -45,6 +46,31 @@ def check_tag(ctx, param, value):
 def env_name(option_name: str) -> str:
     """The AUTOLOOP_* twin of an option: --max-experiments (name max_experiments) -> AUTOLOOP_MAX_EXPERIMENTS."""
     return "AUTOLOOP_" + option_name.upper()
+
+
+class TransferFactor(click.ParamType):
+    """A multiple of the budget: 3x, 3, 2.5x; 0 or off for none."""
+
+    name = "FACTOR"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, (int, float)):
+            factor = float(value)
+        else:
+            text = str(value).strip().lower()
+            if text in ("0", "off", "none", "no"):
+                return 0.0
+            try:
+                factor = float(text[:-1] if text.endswith("x") else text)
+            except ValueError:
+                self.fail(f"{value!r} is not a multiple of the budget such as 3x (or off)", param, ctx)
+        if factor != 0 and not 1 < factor <= 100:
+            self.fail(
+                f"{value!r}: the transfer budget must be longer than the session's (more than 1x, at most 100x)",
+                param,
+                ctx,
+            )
+        return factor
 
 
 class PluginChoice(click.Choice):
@@ -224,11 +250,27 @@ RUN_OPTIONS: list[click.Option] = [
         show_default=True,
         help="Seed passed to every run (AUTOLOOP_SEED); owned by the controller, not train.py.",
     ),
+    RunOption(
+        ["--verify/--no-verify"],
+        section=SESSION,
+        default=False,
+        show_default=True,
+        help="At the end of the session, `autoloop verify` its kept stack: leave-one-out ablation, the minimal "
+        "stack, and the transfer to a longer budget.",
+    ),
+    RunOption(
+        ["--transfer"],
+        section=SESSION,
+        type=TransferFactor(),
+        default="3x",
+        show_default=True,
+        help="verify's longer budget, as a multiple of the session's (e.g. 3x; 0 or off: no transfer check).",
+    ),
     # Limits
     RunOption(
         ["--budget"],
         section=LIMITS,
-        type=click.FloatRange(min=0, min_open=True),
+        type=FiniteRange(min=0, min_open=True),
         default=300.0,
         show_default=True,
         help="Training seconds per experiment (passed to train.py as AUTOLOOP_TIME_BUDGET).",
@@ -236,7 +278,7 @@ RUN_OPTIONS: list[click.Option] = [
     RunOption(
         ["--timeout"],
         section=LIMITS,
-        type=click.FloatRange(min=0, min_open=True),
+        type=FiniteRange(min=0, min_open=True),
         help="Hard limit per run in seconds; the run's whole process tree is killed.  [default: 2 x budget + 120]",
     ),
     RunOption(
@@ -248,7 +290,7 @@ RUN_OPTIONS: list[click.Option] = [
     RunOption(
         ["--max-hours"],
         section=LIMITS,
-        type=click.FloatRange(min=0, min_open=True),
+        type=FiniteRange(min=0, min_open=True),
         help="Stop starting new experiments after this many hours.",
     ),
     RunOption(
@@ -268,7 +310,7 @@ RUN_OPTIONS: list[click.Option] = [
     RunOption(
         ["--max-cost"],
         section=LIMITS,
-        type=click.FloatRange(min=0, min_open=True),
+        type=FiniteRange(min=0, min_open=True),
         help="Stop once the proposer's LLM cost reaches this many dollars.",
     ),
     # Noise gate
@@ -283,7 +325,7 @@ RUN_OPTIONS: list[click.Option] = [
     RunOption(
         ["--false-keep-rate"],
         section=GATE,
-        type=click.FloatRange(min=0.0001, max=0.5),
+        type=FiniteRange(min=0.0001, max=0.5),
         default=0.035,
         show_default=True,
         help="The chance, at most, that the noise gate keeps a change that does nothing "
@@ -292,7 +334,7 @@ RUN_OPTIONS: list[click.Option] = [
     RunOption(
         ["--min-delta"],
         section=GATE,
-        type=click.FloatRange(min=0),
+        type=FiniteRange(min=0),
         default=0.0,
         show_default=True,
         help="Floor of the margin, in val_bpb.",
@@ -311,7 +353,8 @@ RUN_OPTIONS: list[click.Option] = [
         type=click.IntRange(min=1),
         default=10,
         show_default=True,
-        help="Runs of one candidate at most: a promising one runs again until it clears the noise or turns hopeless.",
+        help="Counted runs of one candidate at most: a promising one runs again until it clears the noise or turns "
+        "hopeless (a run slowed from outside does not count, and runs again).",
     ),
     RunOption(
         ["--early-stop"],
@@ -389,7 +432,7 @@ RUN_OPTIONS: list[click.Option] = [
     RunOption(
         ["--max-log-mb"],
         section=OUTPUT,
-        type=click.FloatRange(min=1),
+        type=FiniteRange(min=1),
         default=64.0,
         show_default=True,
         help="Cap of each run's log in MiB; its first and last halves are kept.",

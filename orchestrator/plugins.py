@@ -9,7 +9,10 @@ values of its own. A tracker takes its settings from its library's environment v
 from __future__ import annotations
 
 import importlib
+import math
 from importlib.metadata import entry_points
+
+import click
 
 from . import LoopError
 
@@ -61,3 +64,14 @@ def options(kind: str) -> list:
         for option in declared:
             seen.setdefault(option.name, option)
     return list(seen.values())
+
+
+class FiniteRange(click.FloatRange):
+    """click.FloatRange that also refuses nan and inf (which pass its comparisons): the options of run and of the
+    plugins that take seconds, rates or money."""
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number

@@ -69,6 +69,23 @@ def modifies_prepare() -> str:
     return 'open("prepare.py", "a").write("\\nTAMPERED = True\\n")\nBPB = 0.5\n' + SUMMARY
 
 
+def additive(counter: Path, a: int = 1, b: int = 1, c: int = 1, sleep: float = 0.0) -> str:
+    """val_bpb = 2 + 0.3 A + 0 B + 0.2 C + noise: normal, sd 0.004, drawn from the run's number k (a counter in
+    the file `counter`; seeded k + 200: run 3's draw is below run 2's), so a session and its verification replay
+    alike. B does nothing. At a budget of 2 s or more A's effect is -0.1 and C's -0.4: a stack that turns A and C
+    off helps at 1 s and hurts at 3 s."""
+    return (
+        f'"""fake train.py: additive effects"""\nimport os\nimport random\nimport time\nfrom pathlib import Path\n\n'
+        f"A = {a}\nB = {b}\nC = {c}\n\ncounter = Path({str(counter)!r})\n"
+        "k = int(counter.read_text()) if counter.exists() else 0\ncounter.write_text(str(k + 1))\n"
+        'long = float(os.environ.get("AUTOLOOP_TIME_BUDGET", "1")) >= 2\n'
+        f"time.sleep({sleep!r})\n"
+        "noise = random.Random(k + 200).gauss(0, 0.004)\n"
+        "BPB = 2.0 + (-0.1 if long else 0.3) * A + 0.0 * B + (-0.4 if long else 0.2) * C + noise\n"
+        'print("step 00001 | loss: 1.0")\n' + SUMMARY
+    )
+
+
 class Scripted(Proposer):
     """Follows the plan in $AUTOLOOP_TEST_PLAN: a JSON list of steps {description, train, files, sleep}.
 

@@ -169,6 +169,8 @@ def test_claude_preset_writes_only_in_its_workdir_and_reports_usage(fake_repo, t
     assert record.info == {
         "agent": "claude",
         "usage": {"prompt_tokens": 12012, "completion_tokens": 450, "total_tokens": 12462, "cost": 0.0421},
+        "fingerprint": record.info["fingerprint"],  # what the idea is, for the memory (proposers/memory.py)
+        "moved": [["BPB", "1.0", "0.9"]],
     }
     assert not (Paths(repo, "a").proposal / DESCRIPTION).exists()
 

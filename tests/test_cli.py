@@ -12,7 +12,7 @@ import git
 import pytest
 from click.core import ParameterSource
 from click.testing import CliRunner
-from conftest import CLOCK_SLACK, ROOT, make_repo, subprocess_env
+from conftest import CLOCK_SLACK, ROOT, cli, make_repo, subprocess_env
 
 from orchestrator.cli import main, settings_from
 from orchestrator.store.ledger import read_record, read_rows
@@ -138,10 +138,20 @@ def test_help_does_not_import_torch():
 def test_bad_usage_exits_2_and_user_errors_exit_1(tmp_path):
     bad = autoloop("run", "--budget", "-3", "--repo", str(tmp_path))
     assert bad.returncode == 2 and "--budget" in bad.stderr
+    for value in ("nan", "inf"):  # they pass click's range comparisons
+        odd = cli("run", "--budget", value, "--repo", str(tmp_path))
+        assert odd.returncode == 2 and f"{value!r} is not a finite number" in odd.stderr, odd.stderr
+        odd = cli("run", "--false-keep-rate", value, "--repo", str(tmp_path))
+        assert odd.returncode == 2 and "--false-keep-rate" in odd.stderr, odd.stderr
     bad_tag = autoloop("run", "--tag", "a b", "--repo", str(tmp_path))
     assert bad_tag.returncode == 2 and "git branch" in bad_tag.stderr
     not_repo = autoloop("run", "--repo", str(tmp_path))
-    assert not_repo.returncode == 1 and "not a git repository" in not_repo.stderr and "git init" in not_repo.stderr
+    assert not_repo.returncode == 1 and "not a git repository" in not_repo.stderr and "autoloop init" in not_repo.stderr
+    (tmp_path / "train.py").write_text("print(1)\n")  # files of one's own: make it a repository
+    not_repo = autoloop("run", "--repo", str(tmp_path))
+    assert not_repo.returncode == 1 and "git init && git add -A" in not_repo.stderr
+    gone = cli("run", "--repo", str(tmp_path / "nope"))
+    assert gone.returncode == 1 and "does not exist" in gone.stderr
     assert "Traceback" not in not_repo.stderr + bad.stderr
     bad_gpus = autoloop("run", "--gpus", "0,x", "--repo", str(tmp_path))
     assert bad_gpus.returncode == 2 and "0,1,2,3" in bad_gpus.stderr

@@ -154,13 +154,13 @@ def gate_repo(fake_repo, tmp_path, monkeypatch):
     values.write_text(json.dumps(VALUES))
     repo = fake_repo(counted(values, counter))
     base = counted(values, counter)
-    plan = [
-        {"description": "A", "train": counted(values, counter, "# A")},
-        {"description": "B", "train": counted(values, counter, "# B")},
-        {"description": "C", "train": counted(values, counter, "# B").replace("UNUSED = 1\n", "")},
-        {"description": "D", "train": counted(values, counter, "# D")},
+    plan = [  # four programs (a comment alone would make one idea of them all: proposers/memory.py)
+        {"description": "A", "train": counted(values, counter, "IDEA = 'A'")},
+        {"description": "B", "train": counted(values, counter, "IDEA = 'B'")},
+        {"description": "C", "train": counted(values, counter, "IDEA = 'B'").replace("UNUSED = 1\n", "")},
+        {"description": "D", "train": counted(values, counter, "IDEA = 'D'")},
     ]
-    assert significant_lines(plan[2]["train"]) < significant_lines(base)
+    assert significant_lines(plan[2]["train"]) < significant_lines(plan[1]["train"]) == significant_lines(base) + 1
     monkeypatch.setenv("AUTOLOOP_TEST_PLAN", str(fakes.write_plan(tmp_path / "plan.json", plan)))
     return repo
 

@@ -44,7 +44,7 @@ def test_queue_cli_and_queue_proposer_end_to_end(tmp_path):
     assert [r_.description.split(" [")[0] for r_ in rows] == ["baseline", "lower lr", "stale patch", "mode c"]
     assert [r_.status for r_ in rows] == ["keep", "keep", "crash", "discard"]
     assert "queued patch no longer applies" in rows[2].description
-    assert read_record(Paths(repo, "q").run_dir(2)).info == {"queue_id": 1}
+    assert read_record(Paths(repo, "q").run_dir(2)).info["queue_id"] == 1
     assert autoloop("queue", "list", "--repo", r).stdout.strip() == "the queue is empty"
 
 

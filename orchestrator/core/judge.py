@@ -30,6 +30,7 @@ class Finished:
     shorter: bool = False  # its train.py has fewer significant lines than the best's
     disturbed: str = ""  # why its throughput says it was slowed from outside (set by decide)
     stopped: str = ""  # why --early-stop stopped it: no val_bpb, a discard on its curve's evidence
+    duplicate: int = 0  # the earlier run whose idea it repeats exactly: not run (proposers/memory.py)
 
 
 def disturbance(state: State, run: Finished) -> str:
@@ -74,11 +75,19 @@ def _judge(state: State, runs: list[Finished], gate: Gate) -> None:
     """decide() on working copies: fills each copy's gate and status."""
     if state.best_group:
         for run in runs:
-            if not run.crashed and not run.stopped:
+            if not run.crashed and not run.stopped and not run.duplicate:
                 run.disturbed = disturbance(state, run)
-    ok = [r for r in runs if not r.crashed and not r.disturbed and not r.stopped]
+    ok = [r for r in runs if not r.crashed and not r.disturbed and not r.stopped and not r.duplicate]
     for run in runs:
         run.record.status = Status.CRASH if run.crashed else Status.DISCARD
+        if run.duplicate:  # the earlier idea's result, at no cost; a repeat of a crash is a crash row
+            same = [r for r in runs if r.record.n == run.duplicate]  # (made in this generation)
+            earlier = same[0].record if same else next(r for r in state.records if r.n == run.duplicate)
+            crashed = same[0].crashed if same else earlier.status == Status.CRASH
+            value = earlier.gate.mean if not same and earlier.gate.mean is not None else earlier.val_bpb
+            run.record.status = Status.CRASH if crashed else Status.DISCARD
+            why = run.record.reason
+            run.record.gate = Evidence(Decision.DUPLICATE, mean=value, why=why, note=why)
     if not state.best_group:
         for i, run in enumerate(ok):
             run.record.gate = Evidence(Decision.KEEP if i == 0 else Decision.REPEAT, runs=i + 1, why="baseline")
@@ -235,8 +244,8 @@ def row_text(record: Record) -> tuple[float, str]:
     if record.status == Status.CRASH:  # the reason is the run's own words: cleaned (redaction.clean)
         return 0.0, f"{record.description} [crash: {redaction.clean(record.reason)}]"
     g = record.gate
-    if g.note:  # several at once: selection, confirmation
-        value = g.mean if record.status == Status.KEEP and g.mean is not None else record.val_bpb
+    if g.note:  # several at once: selection, confirmation; a duplicate (the earlier idea's result)
+        value = g.mean if record.status == Status.KEEP or g.decision == Decision.DUPLICATE else record.val_bpb
         return value or 0.0, f"{record.description} [{g.note}]"
     if g.decision == Decision.RERUN:
         return record.val_bpb or 0.0, f"{record.description} [inside the margin {g.margin or 0:.4f}: running again]"

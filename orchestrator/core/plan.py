@@ -178,7 +178,8 @@ def pending_runs(ws: Workspace, state: State, slots: int) -> list[Prepared]:
     if slots == 1 and alternate and mine and parents and parent_first(mine, parents, others, asked(state)):
         return [parent_run(state, f"sharpening the comparison with pending run {first}")]
     k = min(max(1, slots - spare), max(1, ws.settings.gate.max_repeats - made))
-    label = ws.settings.gate.max_repeats
+    # its looks are its counted runs: a run slowed from outside is run again, and the count says so
+    label = ws.settings.gate.max_repeats + made - len(state.runs(first))
     return [
         again(
             ws,

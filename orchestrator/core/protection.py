@@ -30,7 +30,7 @@ class Protection:
     def __init__(self, repo: git.Repo, paths: Paths, root: Path, tag: str, echo: Callable[[str], None]):
         self.repo, self.paths, self.root, self.tag, self.echo = repo, paths, root, tag, echo
 
-    def snapshot(self, state: State) -> Protected:
+    def snapshot(self, state: State, also: tuple[Path, ...] = ()) -> Protected:
         """What no run may touch, as it is now: the ledger, the records, the session pin, the queue, and the
         repository's refs; the git state git itself would act on (config, attributes, alternates, hooks, the
         worktrees' links and HEADs) is the guard's, taken afresh here. Whatever the guard put back while no run
@@ -44,6 +44,7 @@ class Protection:
             self.paths.session,
             self.paths.queue,
             *(self.paths.run_dir(r.n) / "record.json" for r in state.records),
+            *also,  # e.g. `autoloop verify`'s plan, result and records
         ]
         return Protected({path: _read(path) for path in paths}, gitops.refs(self.repo))
 
@@ -70,13 +71,17 @@ class Protection:
     def _moved_refs(self, before: dict[str, tuple[str, str]], written: dict[str, str]) -> list[str]:
         """Refs that differ from before other than by the controller's own update; each put back."""
         now = gitops.refs(self.repo)
-        ours = (f"refs/autoloop/{self.tag}/", f"refs/heads/autoloop/{self.tag}")
+        ours = (
+            f"refs/autoloop/{self.tag}/",
+            f"refs/heads/autoloop/{self.tag}",
+            f"refs/heads/autoloop/{self.tag}-minimal",
+        )
         moved = []
         for name in sorted({*before, *now}):
             expected = (written[name], "") if name in written else before.get(name)
             others = (
                 name.startswith(("refs/autoloop/", "refs/heads/autoloop/"))
-                and not (name.startswith(ours[0]) or name == ours[1])
+                and not (name.startswith(ours[0]) or name in ours[1:])
                 or name in self._users_refs()
             )
             if now.get(name) != expected and not others:

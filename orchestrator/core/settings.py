@@ -42,6 +42,8 @@ class Settings:
     executor: str = "local"  # a registered executor: local | ray | inline | a plugin's
     workers: int | None = None  # experiments at once; default: one per GPU (local) or per cluster GPU (ray)
     executor_options: dict = field(default_factory=dict)  # the executor's own options (gpus, ray_address, ...)
+    verify: bool = False  # `autoloop verify` at the end of the session (core/verify.py)
+    transfer: float = 3.0  # verify's longer budget, as a multiple of the session's (0: no transfer)
     trackers: tuple[str, ...] = ()  # trackers the session is mirrored to (--tracker): mlflow, wandb, ... (trackers/)
 
     @property

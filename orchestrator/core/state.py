@@ -54,6 +54,7 @@ class Decision(_Word):
     REPEAT = "repeat"  # a run of the best itself: it measures σ and sharpens the best's mean
     RERUN = "rerun"  # promising: run the candidate again before deciding (a best-of-k pick: to confirm it)
     CONFIRMING = "confirming"  # one of several confirmation runs; the last one carries the decision
+    DUPLICATE = "duplicate"  # an exact repeat of an idea already judged from the same parent: not run, no cost
 
 
 class Phase(_Word):

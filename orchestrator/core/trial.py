@@ -21,6 +21,7 @@ import psutil
 
 from .. import LoopError
 from ..executors import OUT, PYTHON, Executor, Handle, Job, JobResult, Slot, wait_any
+from ..proposers import memory
 from ..store import gitops
 from ..store.ledger import Record
 from ..store.session import write_status
@@ -54,6 +55,7 @@ class Run:
     crash: Crash | None = None
     done: bool = False
     stopped: str = ""  # why --early-stop stopped it (a discard, judged as such; no val_bpb)
+    duplicate: int = 0  # the earlier run whose idea this one repeats (not run: a row at no cost)
 
 
 def check_edit(ws: Workspace, wt: git.Repo) -> str:
@@ -260,6 +262,18 @@ def corpus_source(ws: Workspace) -> tuple[str, ...]:
     return (str(dataset),)
 
 
+def remember(ws: Workspace, state: State, wt: git.Repo, record: Record, runs: list[Run]) -> Record | None:
+    """Note what the idea changed (record.info: its fingerprint, and the constants it moved as "moved"); return
+    the earlier idea it repeats exactly from the same parent, judged or in this generation, if any (memory.py)."""
+    source = (gitops.tree(wt) / "train.py").read_text(errors="replace")
+    record.info["fingerprint"] = fp = memory.fingerprint(source, record.parent)
+    moved = memory.changes(ws.repo.git.show(f"{record.parent}:train.py"), source, ws.profile)
+    if moved:
+        record.info["moved"] = moved
+    running = [as_running(r.record) for r in runs if r.record is not record and not r.duplicate]
+    return memory.duplicate_of([*state.records, *running], fp)
+
+
 def submit(ws: Workspace, executor: Executor, job: Job, slot: Slot, record: Record) -> Handle:
     """Start the job; the pids of its processes on this machine go to status.json (resume kills orphans)."""
 
@@ -313,6 +327,10 @@ def start(
     runs.append(run)
     run.crash = stage(ws, wt, record, prepared)
     if run.crash:
+        return
+    if prepared.kind == Kind.CANDIDATE and (earlier := remember(ws, state, wt, record, runs)):
+        run.duplicate = earlier.n  # an idea already judged from this parent (or running now): not run again
+        record.reason = memory.duplicate_note(earlier)
         return
     run.job = build_job(ws, gitops.tree(wt), run_dir)
     rule = stop_rule(ws, state, prepared.kind, wt, n)
@@ -413,7 +431,11 @@ def run_generation(
 
 def stop_runs(runs: list[Run]) -> None:
     """Cancel every unfinished run and wait (boundedly) until its process tree is gone."""
-    live = [r.handle for r in runs if not r.done and r.handle is not None]
+    stop_handles([r.handle for r in runs if not r.done and r.handle is not None])
+
+
+def stop_handles(live: list[Handle]) -> None:
+    """Cancel these jobs and wait (boundedly, STOP_WAIT_S in all) until their process trees are gone."""
     for handle in live:
         handle.cancel()
     deadline = time.monotonic() + STOP_WAIT_S

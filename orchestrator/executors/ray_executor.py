@@ -26,6 +26,7 @@ from pathlib import Path
 
 import click
 
+from ..plugins import FiniteRange
 from ..trust.confine import allowed_env
 from ..trust.harness import evaluation_data
 from .base import OUT, SCRATCH_DIRS, Executor, Handle, Job, JobResult, Slot, StepResult, run_steps
@@ -248,7 +249,7 @@ class RayExecutor(Executor):
         ),
         click.Option(
             ["--ray-schedule-timeout"],
-            type=click.FloatRange(min=0),
+            type=FiniteRange(min=0),
             help="Seconds a Ray task may wait for a node with a free GPU before it is cancelled and "
             "run again (an executor failure); 0: wait forever.  "
             f"[default: {SCHEDULE_TIMEOUT_S:g}]",

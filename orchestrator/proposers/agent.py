@@ -20,6 +20,7 @@ import click
 
 from .. import LoopError
 from ..executors.runner import run_command
+from ..plugins import FiniteRange
 from ..store.ledger import Record
 from ..store.session import Paths
 from ..trust.confine import allowed_env
@@ -219,7 +220,7 @@ class AgentProposer(Proposer):
         ),
         click.Option(
             ["--agent-timeout"],
-            type=click.FloatRange(min=0, min_open=True),
+            type=FiniteRange(min=0, min_open=True),
             help="Seconds an agent may take for one idea.  [default: 900]",
         ),
     )

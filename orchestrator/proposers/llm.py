@@ -15,6 +15,7 @@ from urllib.parse import urlparse
 import click
 
 from .. import LoopError
+from ..plugins import FiniteRange
 from ..store.ledger import Record
 from ..store.session import Paths
 from .base import Context, Proposal, ProposalFailed, Proposer
@@ -115,17 +116,17 @@ class LLMProposer(Proposer):
         ),
         click.Option(
             ["--llm-timeout"],
-            type=click.FloatRange(min=0, min_open=True),
+            type=FiniteRange(min=0, min_open=True),
             help="Seconds per LLM request.  [default: 600]",
         ),
         click.Option(
             ["--llm-price-in"],
-            type=click.FloatRange(min=0),
+            type=FiniteRange(min=0),
             help="Dollars per million prompt tokens (for cost tracking and --max-cost).",
         ),
         click.Option(
             ["--llm-price-out"],
-            type=click.FloatRange(min=0),
+            type=FiniteRange(min=0),
             help="Dollars per million completion tokens.",
         ),
     )

@@ -1,4 +1,5 @@
-"""The prompt every LLM proposer gets: program.md, the best train.py, the history, and the last crash's log."""
+"""The prompt every LLM proposer gets: program.md, the session's journal (proposers/memory.py), the history, the
+last crash's log and the best train.py."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from ..store.ledger import Record
 from ..store.session import Paths
 from ..trust import redaction
 from ..trust.summary import read_tail
+from .memory import JOURNAL_CHARS, journal
 
 DEFAULT_PROMPT_CHARS = 48_000  # ~12k tokens: fits any model's context with room for the reply
 
@@ -104,6 +106,7 @@ def build_prompt(
     def assemble(brief: str, rows: list[str]) -> str:
         parts = [
             f"# Research brief (program.md)\n\n{brief.strip()}",
+            f"# What this session has learned (journal)\n\n{learned}",
             f"# Results so far\n\n{summary}\nBest and most recent experiments "
             f"(#n, status, val_bpb, description):\n" + ("\n".join(rows) or "(none yet)"),
         ]
@@ -113,6 +116,7 @@ def build_prompt(
         parts.append(f"# Your task\n\n{task.strip()}")
         return "\n\n".join(parts) + "\n"
 
+    learned = journal(history, min(JOURNAL_CHARS, max_chars // 6))
     rows = history_lines(history, 60)
     prompt = assemble(program, rows)
     while len(prompt) > max_chars and rows:

@@ -268,10 +268,14 @@ class SearchProposer(Proposer):
         weights = [prior(n) * (stats[n].keeps + 1) / (stats[n].tries + 1) ** 0.7 for n in names]
         return rng.choices(names, weights=weights)[0]
 
+    focus: list[str] | None = None  # only these constants (the hybrid's tuning of a new idea's constants)
+
     def propose(self, workdir: Path, history: list[Record]) -> Proposal | None:
         path = workdir / "train.py"
         source = path.read_text()
         space, best = read_space(source, self.context.profile)
+        if self.focus is not None:
+            space = {name: p for name, p in space.items() if name in self.focus}
         if not space:
             return None
         stats, tried, regions = self.learn(space, history, best)

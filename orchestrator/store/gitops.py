@@ -285,10 +285,20 @@ def open_repo(path: Path) -> git.Repo:
     with a fresh guard."""
     try:
         repo = isolated(_Repo(path, search_parent_directories=False))
-    except (git.InvalidGitRepositoryError, git.NoSuchPathError):
+    except git.NoSuchPathError:
         raise LoopError(
-            f"{path} is not a git repository; run `git init && git add -A && git commit -m init` "
-            "there, or pass --repo PATH"
+            f"{path} does not exist; pass --repo PATH of a workspace, or make one: autoloop init DIR"
+        ) from None
+    except git.InvalidGitRepositoryError:
+        empty = path.is_dir() and not any(path.iterdir())
+        raise LoopError(
+            f"{path} is not a git repository; "
+            + (
+                "make it a workspace with `autoloop init` (train.py, prepare.py, program.md, committed)"
+                if empty
+                else "run `git init && git add -A && git commit -m init` there"
+            )
+            + ", or pass --repo PATH"
         ) from None
     if not repo.head.is_valid():
         raise LoopError(
@@ -484,9 +494,9 @@ def diff_all(wt: git.Repo, base: str, context: int = 3) -> str:
         wt.git.reset("-q")
 
 
-def diff(wt: git.Repo, a: str, b: str) -> str:
+def diff(wt: git.Repo, a: str, b: str, context: int = 3) -> str:
     """A binary patch from commit a to commit b that `git apply` takes back (trailing newline kept)."""
-    return wt.git.diff("--binary", a, b, stdout_as_string=True, strip_newline_in_stdout=False)
+    return wt.git.diff("--binary", f"-U{context}", a, b, stdout_as_string=True, strip_newline_in_stdout=False)
 
 
 def _apply(wt: git.Repo, patch: str, *options: str) -> str:

@@ -59,6 +59,18 @@ class Paths:
         return self.state / "spend.jsonl"
 
     @property
+    def verify(self) -> Path:
+        """`autoloop verify`'s runs (runs/<n>/record.json, their own numbering) and plan."""
+        return self.state / "verify"
+
+    def verify_run_dir(self, n: int) -> Path:
+        return self.verify / "runs" / str(n)
+
+    @property
+    def verify_json(self) -> Path:
+        return self.state / "verify.json"
+
+    @property
     def lock(self) -> Path:
         return self.state / "lock"
 

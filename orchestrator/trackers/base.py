@@ -215,10 +215,11 @@ def session_totals(ws: Workspace, state: State) -> dict[str, object]:
     bought with its compute (`autoloop report`'s improvement per training hour and ideas judged per hour): the
     parent run's tags (MLflow), summary (W&B) or text (TensorBoard); its metrics are the series val_bpb and
     best_val_bpb by experiment."""
-    from ..views.report import read_holdout, value  # pandas: only when a tracker is on
+    from ..views.report import read_holdout, read_verify, value  # pandas: only when a tracker is on
 
     counts = {s.value: sum(r.status == s for r in state.records) for s in Status}
     return {
+        **verify_totals(read_verify(ws.paths)),
         "experiments": state.done,
         **counts,
         "baseline_val_bpb": state.baseline_bpb,
@@ -226,6 +227,26 @@ def session_totals(ws: Workspace, state: State) -> dict[str, object]:
         "llm_cost_usd": ws.spend.cost,
         **value(state, read_holdout(ws.paths)),
     }  # best_val_bpb: the last of its history
+
+
+def verify_totals(v: dict | None) -> dict[str, object]:
+    """`autoloop verify`'s result as the parent run's tags / summary (none before a verification)."""
+    if not v:
+        return {}
+    out: dict[str, object] = {
+        "verify_complete": v.get("complete"),
+        "verify_runs": v.get("runs"),
+        "verify_no_contribution": ",".join(
+            f"#{c['n']}" for c in v["changes"] if c["verdict"] == "no measurable contribution"
+        ),
+    }
+    for c in v["changes"]:
+        out[f"verify_contribution_{c['n']}"] = c.get("contribution")
+    minimal = v.get("minimal") or {}
+    out["verify_minimal_branch"] = minimal.get("branch")
+    for stack, verdict in ((v.get("transfer") or {}).get("verdicts") or {}).items():
+        out[f"verify_transfer_{stack}"] = verdict
+    return {k: val for k, val in out.items() if val not in (None, "")}
 
 
 class Trackers:

@@ -81,7 +81,17 @@ def facts(paths: Paths) -> dict:
         "llm_tokens": tokens,
         "llm_cost": cost,
         "holdout": holdout,
+        "verify": read_verify(paths),
     }
+
+
+def read_verify(paths: Paths) -> dict | None:
+    """verify.json (`autoloop verify`: core/verify.py), or None before a verification."""
+    try:
+        data = json.loads(paths.verify_json.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("changes"), list) else None
 
 
 def read_holdout(paths: Paths) -> dict | None:
@@ -180,7 +190,20 @@ def figure(paths: Paths) -> Figure:
 
     state = load_state(paths)
     runs = [r for r in state.records if r.status != Status.CRASH and r.val_bpb is not None]
-    fig, ax = plt.subplots(figsize=(12, 6), dpi=DPI)
+    verified = read_verify(paths)
+    measured = [c for c in (verified or {}).get("changes", []) if c.get("contribution") is not None]
+    if measured:
+        fig, axes = plt.subplot_mosaic(
+            [["top", "top"], ["waterfall", "transfer"]],
+            figsize=(12, 9),
+            dpi=DPI,
+            gridspec_kw={"height_ratios": [2, 1], "width_ratios": [2.2, 1]},
+        )
+        ax = axes["top"]
+        draw_contributions(axes["waterfall"], measured, verified)
+        draw_transfer(axes["transfer"], verified)
+    else:
+        fig, ax = plt.subplots(figsize=(12, 6), dpi=DPI)
     for kind, style in STYLE.items():
         mine = [r for r in runs if kind_of(r) == kind]
         if mine:
@@ -194,14 +217,70 @@ def figure(paths: Paths) -> Figure:
         set_ylim(ax, runs, best)
     ax.set_xlabel("experiment")
     ax.set_ylabel("val_bpb (lower is better)")
-    kept, crashes = sum(r.status == Status.KEEP for r in state.records), state.done - len(runs)
-    ax.set_title(f"autoloop {paths.tag}: {state.done} experiments, {kept} kept, {crashes} crashed")
+    kept, crashes = (
+        sum(r.status == Status.KEEP for r in state.records),
+        sum(r.status == Status.CRASH for r in state.records),
+    )
+    stopped = sum(r.status != Status.CRASH and r.val_bpb is None for r in state.records)  # --early-stop: no val_bpb
+    ax.set_title(
+        f"autoloop {paths.tag}: {state.done} experiments, {kept} kept, {crashes} crashed"
+        + (f", {stopped} stopped early (not drawn)" if stopped else "")
+    )
     ax.grid(alpha=0.3)
     ax.legend(loc="best", fontsize=8)
     labels = label_kept(ax, state, runs)
     fig.tight_layout()
     place_labels(fig, ax, labels)
     return fig
+
+
+VERDICT_COLOUR = {"matters": "#2ca02c", "no measurable contribution": "#b0b0b0"}
+
+
+def draw_contributions(ax: Axes, changes: list[dict], verified: dict) -> None:
+    """`autoloop verify`'s waterfall: each kept change's leave-one-out contribution (its ablation's val_bpb
+    minus the best's: how much worse the best is without it), stacked in the order they were kept, ± its
+    standard error, coloured by verdict."""
+    level = 0.0
+    for i, c in enumerate(changes):
+        d, se = c["contribution"], c.get("se") or 0.0
+        colour = VERDICT_COLOUR.get(c["verdict"], "#ff7f0e")
+        ax.bar(i, d, bottom=level, color=colour, width=0.6)
+        ax.errorbar(i, level + d, yerr=se, color="black", capsize=3, linewidth=1)
+        level += d
+    ax.axhline(0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(changes)))
+    ax.set_xticklabels([f"#{c['n']} {shorten(c['description'], 22)}" for c in changes], fontsize=7)
+    ax.set_ylabel("contribution (val_bpb)")
+    done = "" if verified.get("complete") else " (in progress)"
+    ax.set_title(
+        f"autoloop verify{done}: leave-one-out contribution of each kept change (green: matters, grey: none "
+        "measurable), ± standard error",
+        fontsize=9,
+    )
+    ax.grid(alpha=0.3, axis="y")
+
+
+def draw_transfer(ax: Axes, verified: dict) -> None:
+    """`autoloop verify`'s transfer table beside the waterfall: each stack's improvement on the baseline at the
+    session's budget and the longer one, and the verdicts."""
+    ax.axis("off")
+    transfer = verified.get("transfer") or {}
+    if "skipped" in transfer or not transfer.get("rows"):
+        ax.text(0, 0.9, shorten(transfer.get("skipped", "transfer: not measured"), 60), fontsize=8, va="top")
+        return
+    stacks = [s for s in ("best", "minimal") if any(row.get(s) for row in transfer["rows"])]
+    cells = [
+        [f"{row['budget']:g}s"]
+        + [f"{row[s]['improvement']:+.4f}" if row.get(s) and row[s]["improvement"] is not None else "-" for s in stacks]
+        for row in transfer["rows"]
+    ]
+    cells.append(["verdict"] + [(transfer.get("verdicts") or {}).get(s, "-") for s in stacks])
+    table = ax.table(cellText=cells, colLabels=["budget", *stacks], loc="upper center", cellLoc="center")
+    table.auto_set_font_size(False)
+    table.set_fontsize(8)
+    table.scale(1, 1.4)
+    ax.set_title(f"transfer: {transfer['metric']} improvement on the baseline", fontsize=9)
 
 
 def kind_of(record: Record) -> str:
@@ -332,11 +411,69 @@ def markdown(f: dict, diff: str, image: str | None) -> str:
         f"| {i['n']} | `{i['commit']}` | {i['val_bpb']:.6f} | {i['delta']:+.6f} | {i['description']} |"
         for i in f["top_improvements"]
     ] or ["| - | - | - | - | no improvement was kept |"]
+    if f.get("verify"):
+        lines += ["", *verify_lines(f["verify"])]
     lines += ["", "## Crashes by reason", ""]
     lines += [f"- {reason}: {count}" for reason, count in f["crash_reasons"].items()] or ["- none"]
     if diff:
         lines += ["", "## Baseline -> best (train.py)", "", "```diff", diff.rstrip(), "```"]
     return "\n".join(lines) + "\n"
+
+
+def verify_lines(v: dict) -> list[str]:
+    """report.md's verification section: contributions, the minimal stack, the transfer table."""
+    hours = v.get("train_seconds", 0.0) / 3600
+    lines = [
+        "## Verification" + ("" if v.get("complete") else " (in progress: `autoloop verify` resumes it)"),
+        "",
+        f"{v['runs']} runs ({v.get('crashes', 0)} crashed), {hours:.2f} training hours, of the best "
+        f"`{v['best_commit']}` at {v['budget']:g}s. Contribution: the val_bpb of the best without the change "
+        "minus the best's (positive: the change helps).",
+        "",
+        "| # | change | contribution | runs | verdict |",
+        "|---|---|---|---|---|",
+    ]
+    for c in v["changes"]:
+        d = c.get("contribution")
+        fig = f"{d:+.6f} ± {c['se']:.6f}" if d is not None and c.get("se") is not None else "-"
+        note = f" ({c['note']})" if c.get("note") else ""
+        lines.append(f"| {c['n']} | {c['description']} | {fig} | {c['runs']} | {c['verdict']}{note} |")
+    m = v.get("minimal")
+    if m:
+        dropped = ", ".join(f"#{n}" for n in m["dropped"]) or "nothing"
+        lines += [
+            "",
+            f"Minimal stack (dropping {dropped}): {m['verdict']}"
+            + (f", branch `{m['branch']}`" if m.get("branch") else ""),
+        ]
+    t = v.get("transfer")
+    if t and "skipped" in t:
+        lines += ["", f"Transfer: {t['skipped']}"]
+    elif t:
+        lines += [
+            "",
+            f"Transfer ({t['metric']}, improvement = baseline minus stack, mean ± standard error):",
+            "",
+            "| budget | baseline | best | improvement | minimal | improvement |",
+            "|---|---|---|---|---|---|",
+        ]
+        for row in t["rows"]:
+            cells = [f"{row['budget']:g}s", _num(row.get("baseline"))]
+            for stack in ("best", "minimal"):
+                r = row.get(stack)
+                cells += (
+                    [_num(r["mean"]), _num(r["improvement"], signed=True) + (f" ± {r['se']:.6f}" if r["se"] else "")]
+                    if r
+                    else ["-", "-"]
+                )
+            lines.append("| " + " | ".join(cells) + " |")
+        if t.get("verdicts"):
+            lines += ["", "Verdict: " + "; ".join(f"the {k} {v_}" for k, v_ in t["verdicts"].items())]
+    return lines
+
+
+def _num(x: float | None, signed: bool = False) -> str:
+    return "-" if x is None else f"{x:+.6f}" if signed else f"{x:.6f}"
 
 
 def value_lines(f: dict) -> list[str]:
@@ -362,6 +499,29 @@ def write_report(paths: Paths, repo: Path, out_dir: Path) -> dict:
     png = plot(paths, out_dir / "progress.png")
     (out_dir / "report.md").write_text(markdown(f, cumulative_diff(paths, repo, f), png.name))
     return f
+
+
+def verify_table(paths: Paths, limit: int | None = None) -> str:
+    """`autoloop results --verify`: the verification's runs (they are not rows of results.tsv)."""
+    root = paths.verify / "runs"
+    records = [r for d in (root.iterdir() if root.is_dir() else []) if (r := read_record(d)) is not None]
+    records.sort(key=lambda r: r.n)
+    if limit:
+        records = records[-limit:]
+    if not records:
+        return "no verification runs (run `autoloop verify`)"
+    df = pd.DataFrame(
+        {
+            "n": [r.n for r in records],
+            "commit": [r.commit[:7] for r in records],
+            "budget": [r.info.get("budget") for r in records],
+            "val_bpb": [r.val_bpb for r in records],
+            "held_out": [r.metrics.get("holdout_bpb") for r in records],
+            "status": [r.status for r in records],
+            "description": [(r.description + (f" [{r.reason}]" if r.reason else ""))[:70] for r in records],
+        }
+    )
+    return df.to_string(index=False)
 
 
 def table(paths: Paths, status: str | None = None, limit: int | None = None) -> str:

@@ -39,11 +39,12 @@ def collect(repo: Path, tag: str | None) -> dict:
         "current": None,
         "slots": [],
         "recent": [r.__dict__ for r in rows[-5:]],
+        "verify": verify_status(paths),
     }
     busy = status.get("running") or []
     if running and len(busy) == 1:  # one run: the current experiment
         item = busy[0]
-        step = last_step(paths.run_dir(item["n"]) / "run.log")
+        step = last_step(Path(item["log"]) if item.get("log") else paths.run_dir(item["n"]) / "run.log")
         info["current"] = {
             "n": item["n"],
             "phase": status.get("phase"),
@@ -55,7 +56,7 @@ def collect(repo: Path, tag: str | None) -> dict:
         }
     elif running and busy:  # parallel runs: one entry per busy slot
         for item in busy:
-            step = last_step(paths.run_dir(item["n"]) / "run.log")
+            step = last_step(Path(item["log"]) if item.get("log") else paths.run_dir(item["n"]) / "run.log")
             info["slots"].append(
                 {
                     "n": item["n"],
@@ -78,6 +79,33 @@ def collect(repo: Path, tag: str | None) -> dict:
             "loss": step[2] if step else None,
         }
     return info
+
+
+def verify_status(paths: Paths) -> dict | None:
+    """The verification's state for `status`: complete or not, runs, each change's verdict, the minimal stack's
+    branch and the transfer verdicts (None before `autoloop verify`)."""
+    import json
+
+    try:
+        v = json.loads(paths.verify_json.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(v, dict) or not isinstance(v.get("changes"), list):
+        return None
+    return {
+        "complete": bool(v.get("complete")),
+        "runs": v.get("runs", 0),
+        "changes": {f"#{c.get('n')}": c.get("verdict") for c in v["changes"]},
+        "minimal_branch": (v.get("minimal") or {}).get("branch"),
+        "transfer": (v.get("transfer") or {}).get("verdicts") or (v.get("transfer") or {}).get("skipped"),
+    }
+
+
+def transfer_text(transfer: dict | str) -> str:
+    """{"best": "shrinks", "minimal": "holds"} -> "the best shrinks, the minimal holds" (or why it was skipped)."""
+    if isinstance(transfer, dict):
+        return ", ".join(f"the {stack} {verdict}" for stack, verdict in transfer.items())
+    return str(transfer)
 
 
 def render(info: dict) -> str:
@@ -107,6 +135,14 @@ def render(info: dict) -> str:
     for c in info["slots"]:
         progress = f", step {c['step']} loss {c['loss']:.4f}" if c.get("step") is not None else ""
         lines.append(f"slot {c['slot']}: #{c['n']} {c['elapsed_s']:.0f}s elapsed{progress}: {c['description']}")
+    if info.get("verify"):
+        v = info["verify"]
+        verdicts = ", ".join(f"{n} {d}" for n, d in v["changes"].items())
+        lines.append(
+            f"verify: {'complete' if v['complete'] else 'in progress'} ({v['runs']} runs): {verdicts or '-'}"
+            + (f"; minimal stack on {v['minimal_branch']}" if v["minimal_branch"] else "")
+            + (f"; transfer: {transfer_text(v['transfer'])}" if v["transfer"] else "")
+        )
     if info["recent"]:
         lines.append("last results:")
         for r in info["recent"]:

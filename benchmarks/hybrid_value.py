@@ -1,0 +1,133 @@
+"""Is the hybrid better than its parts? `--proposer hybrid` against the search alone and the (simulated) LLM
+alone, on a surrogate of train.py, with paired seeds.
+
+The LLM is simulated (benchmarks/surrogate/simllm.py): informed moves of 2-3 constants at once by large steps,
+30% repeats of its own earlier ideas, 10% broken edits; no LLM is called. Each arm drives the real controller
+(gate, ledger, git, idea memory) with the surrogate's fake train.py, as search_quality.py does. Reported: the
+true improvement (the baseline's noise-free val_bpb minus the kept best's) after 30 and --experiments
+experiments, median [quartiles]; the paired one-sided Wilcoxon test of the hybrid against the better of its
+parts; the repeats the memory caught (rows at no cost); the hybrid's allocation between its sources.
+
+    python benchmarks/hybrid_value.py --surrogate benchmarks/surrogate/tiny-5s.npz --seeds 20 --jobs 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "benchmarks" / "surrogate")]
+
+from search_quality import die_with_parent, surrogate_session  # noqa: E402
+
+SIM = "simllm:SimulatedLLM"
+ARMS = {  # arm -> (proposer, its options)
+    "search": ("search", {}),
+    "llm": (SIM, {}),
+    "hybrid": ("hybrid", {"hybrid_llm": SIM}),
+}
+
+
+def session(job: tuple) -> dict:
+    arm, model, *rest = job
+    os.environ["AUTOLOOP_SIM_MODEL"] = model
+    result = surrogate_session((model, *rest))
+    result["arm"] = arm
+    return result
+
+
+def improvement(result: dict, n: int) -> float:
+    values = [v for v in result["best_true"][:n] if v is not None]
+    return values[0] - values[-1] if values else 0.0
+
+
+def quartiles(values: list[float]) -> str:
+    q = statistics.quantiles(values, n=4) if len(values) > 1 else values * 3
+    return f"{statistics.median(values):.4f} [{q[0]:.4f}, {q[2]:.4f}]"
+
+
+def report(args, results: list[dict], wall: float) -> None:
+    from scipy.stats import wilcoxon
+
+    by = {arm: sorted((r for r in results if r["arm"] == arm), key=lambda r: r["seed"]) for arm in ARMS}
+    checkpoints = [30, args.experiments]
+    print(f"\n{args.surrogate.name}: {args.seeds} paired seeds x {args.experiments} experiments; {wall:.0f} s")
+    print(f"{'arm':8s} " + " ".join(f"{'after ' + str(k):>26s}" for k in checkpoints) + "  repeats caught  crashes")
+    for arm, runs in by.items():
+        print(
+            f"{arm:8s} "
+            + " ".join(f"{quartiles([improvement(r, k) for r in runs]):>26s}" for k in checkpoints)
+            + f"  {sum(r['duplicates'] for r in runs):>14d}  {sum(r['crashes'] for r in runs):>7d}"
+        )
+    for k in checkpoints:
+        better = max(("search", "llm"), key=lambda a: statistics.median(improvement(r, k) for r in by[a]))
+        a = [improvement(r, k) for r in by["hybrid"]]
+        b = [improvement(r, k) for r in by[better]]
+        diff = [x - y for x, y in zip(a, b)]
+        p = wilcoxon(a, b, alternative="greater").pvalue if any(diff) else 1.0
+        print(
+            f"hybrid vs {better} (the better part) after {k}: better on {sum(d > 0 for d in diff)}/{len(diff)} seeds "
+            f"(worse on {sum(d < 0 for d in diff)}), median difference {statistics.median(diff):+.4f}, "
+            f"Wilcoxon one-sided p = {p:.3g}"
+        )
+    sources = Counter(s for r in by["hybrid"] for s in r["sources"])
+    print(f"hybrid's ideas by source: {dict(sources)}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--surrogate", type=Path, required=True, help="a fitted surrogate (.npz)")
+    ap.add_argument("--profile", default="tiny", choices=["gpu", "cpu", "tiny"])
+    ap.add_argument("--seeds", type=int, default=20)
+    ap.add_argument("--experiments", type=int, default=100)
+    ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--out", type=Path, default=None, help="also write the raw results as JSON here")
+    args = ap.parse_args()
+    if args.seeds < 1 or args.experiments < 31 or args.jobs < 1:
+        ap.error("--seeds and --jobs must be 1 or more, --experiments more than 30")
+    if not args.surrogate.exists():
+        ap.error(f"no surrogate at {args.surrogate} (benchmarks/surrogate/ holds the fitted ones)")
+    model = str(args.surrogate.resolve())
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp, ProcessPoolExecutor(args.jobs, initializer=die_with_parent) as pool:
+        jobs = []
+        for seed in range(args.seeds):
+            for arm, (proposer, options) in ARMS.items():
+                where = Path(tmp) / arm
+                where.mkdir(exist_ok=True)
+                jobs.append(
+                    (
+                        arm,
+                        model,
+                        args.profile,
+                        proposer,
+                        "noise",
+                        seed,
+                        args.experiments,
+                        str(where),
+                        1.0,
+                        None,
+                        (0.0, 40),
+                        "off",
+                        None,
+                        options,
+                    )
+                )
+        results = list(pool.map(session, jobs))
+    report(args, results, time.monotonic() - t0)
+    if args.out:
+        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""`hybrid`: an LLM (or coding agent) for structural ideas, the built-in search for the constants, and a bandit
+between them by measured improvement per second of compute.
+
+- Each idea comes from one source, recorded as record.json `info.source`: "llm" (the `--hybrid-llm` proposer,
+  `llm` or `agent`, with its own options), "search", or "search-tune".
+- After the LLM's idea is kept, the search tunes the constants that idea introduced or moved (a new
+  constant nobody would tune otherwise), for `--hybrid-tune` ideas (`info.tuning`: the kept run).
+- Otherwise a bandit picks the source: each one's improvement (the best's mean before a keep minus the kept
+  mean, summed over its keeps) per second it cost (its ideas' training time, all their runs, and the time to
+  make them, plus its dollars at `--hybrid-gpu-price` per GPU-hour, so an LLM's tokens count as compute). The
+  better rate is followed, one idea in five (EXPLORE) goes to the other; while neither has kept anything, they
+  alternate.
+- Both see everything: the LLM's prompt lists the search's results, and the search learns from every tried
+  configuration, the LLM's edits included.
+
+Everything is rebuilt from the history on each call, so a resume continues the same allocation.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import click
+
+from .. import LoopError
+from ..plugins import FiniteRange
+from ..store.ledger import Record
+from . import load
+from .base import Context, Proposal, Proposer
+from .search import SearchProposer
+from .space import read_space
+
+EXPLORE = 0.2  # the share of ideas given to the source the bandit does not favour
+DEFAULT_TUNE = 3
+DEFAULT_GPU_PRICE = 2.0  # dollars per GPU-hour: what an LLM's dollar is worth in seconds of compute
+
+
+class HybridProposer(Proposer):
+    name = "hybrid"
+    pipeline = True
+    options = (
+        click.Option(
+            ["--hybrid-llm"],
+            metavar="llm|agent|module:Class",
+            help="The proposer of structural ideas in --proposer hybrid (with its own options).  [default: llm]",
+        ),
+        click.Option(
+            ["--hybrid-tune"],
+            type=click.IntRange(min=0),
+            help=f"Ideas of the search tuning the constants of a kept LLM idea.  [default: {DEFAULT_TUNE}]",
+        ),
+        click.Option(
+            ["--hybrid-gpu-price"],
+            type=FiniteRange(min=0, min_open=True),
+            help="Dollars per GPU-hour, to weigh the LLM's dollars as compute in the bandit.  "
+            f"[default: {DEFAULT_GPU_PRICE:g}]",
+        ),
+    )
+
+    def __init__(self, context: Context):
+        super().__init__(context)
+        which = context.options.get("hybrid_llm") or "llm"
+        self.llm = load(which)(context)
+        self.search = SearchProposer(context)
+        tune = context.options.get("hybrid_tune")
+        self.tune = DEFAULT_TUNE if tune is None else int(tune)
+        self.price = float(context.options.get("hybrid_gpu_price") or DEFAULT_GPU_PRICE)
+        self.llm.cancelled = self.search.cancelled = self.cancelled  # the loop's stop reaches both
+
+    def propose(self, workdir: Path, history: list[Record]) -> str | Proposal | None:
+        source = (workdir / "train.py").read_text()
+        tuning = self.tuning(history, source)
+        if tuning is not None:
+            kept, focus = tuning
+            self.search.focus = focus
+            try:
+                idea = self.search.propose(workdir, history)
+            finally:
+                self.search.focus = None
+            if idea is not None:
+                return tagged(idea, "search-tune", tuning=kept)
+        arm = self.choose(history)
+        first, second = (self.llm, self.search) if arm == "llm" else (self.search, self.llm)
+        idea = first.propose(workdir, history)
+        if idea is None:  # the one has nothing left: the other
+            arm = "search" if arm == "llm" else "llm"
+            idea = second.propose(workdir, history)
+        return None if idea is None else tagged(idea, arm)
+
+    def tuning(self, history: list[Record], source: str) -> tuple[int, list[str]] | None:
+        """(the kept LLM idea, the constants it introduced or moved) while the search still tunes them."""
+        keeps = [r for r in history if r.status == "keep"][1:]  # (the first: the baseline)
+        if not keeps or not self.tune:
+            return None
+        by_n = {r.n: r for r in history}
+        first = by_n.get(keeps[-1].group or keeps[-1].n, keeps[-1])
+        if first.info.get("source") == "search-tune":  # a keep of the tuning itself: the tuning goes on
+            first = by_n.get(first.info.get("tuning"), first)
+        if first.info.get("source") != "llm":
+            return None
+        last = next(r for r in keeps if (r.group or r.n) == first.n)  # the run that kept it
+        since = [r for r in history if r.info.get("tuning") == last.n and (r.group or r.n) == r.n]
+        if len(since) >= self.tune:
+            return None
+        space, _ = read_space(source, self.context.profile)
+        try:
+            parent = self.search.configs.at(first.parent) or {}
+        except Exception:  # noqa: BLE001 - its parent's train.py could not be read: what it moved only
+            parent = {}
+        moved = {name for name, *_ in first.info.get("moved") or []}
+        focus = sorted(n for n in space if n not in parent or n in moved)
+        return (last.n, focus) if focus else None
+
+    def rates(self, history: list[Record]) -> dict[str, tuple[float, float, int]]:
+        """Per source: (improvement, seconds of compute, ideas)."""
+        source_of = {
+            r.n: "search" if str(r.info.get("source", "")).startswith("search") else r.info.get("source")
+            for r in history
+            if (r.group or r.n) == r.n
+        }
+        out = {"llm": [0.0, 0.0, 0], "search": [0.0, 0.0, 0]}
+        for r in history:
+            arm = source_of.get(r.group or r.n)
+            if arm not in out:
+                continue
+            cost = float(r.timings.get("train", 0.0)) + float(r.timings.get("propose", 0.0))
+            cost += float((r.info.get("usage") or {}).get("cost", 0.0) or 0.0) * 3600 / self.price
+            out[arm][1] += cost
+            out[arm][2] += (r.group or r.n) == r.n
+            if r.status == "keep" and r.gate.best_mean is not None and r.gate.mean is not None:
+                out[arm][0] += max(0.0, r.gate.best_mean - r.gate.mean)
+        return {k: (v[0], v[1], int(v[2])) for k, v in out.items()}
+
+    def choose(self, history: list[Record]) -> str:
+        rates = self.rates(history)
+        rng = random.Random(f"{self.context.seed}:hybrid:{len(history)}")
+        if not any(gain for gain, _, _ in rates.values()):  # nothing kept yet: take turns
+            return min(rates, key=lambda a: (rates[a][2], a != "llm"))
+        score = {a: gain / max(seconds, 1.0) for a, (gain, seconds, _) in rates.items()}
+        best = max(score, key=lambda a: score[a])
+        return best if rng.random() >= EXPLORE else ("search" if best == "llm" else "llm")
+
+    def observe(self, record: Record) -> None:
+        self.llm.observe(record)
+        self.search.observe(record)
+
+    def close(self) -> None:
+        try:
+            self.llm.close()
+        finally:
+            self.search.close()
+
+
+def tagged(idea: str | Proposal, source: str, **info) -> Proposal:
+    """The idea with its source (and what it tunes) in the record's info."""
+    if isinstance(idea, str):
+        idea = Proposal(idea)
+    if not isinstance(idea, Proposal):
+        raise LoopError(f"a proposer of hybrid returned {type(idea).__name__}, not an idea")
+    idea.info = {**idea.info, "source": source, **info}
+    return idea

@@ -1,0 +1,225 @@
+"""Idea memory: an exact repeat of an idea already judged from the same parent is a row at no cost, never a run
+(for every proposer: the LLM's repeats through a real openai client and a local server, two slots' equal ideas);
+the journal reaches the prompt, survives a resume and prints with `autoloop journal`."""
+
+from __future__ import annotations
+
+import fakes
+import pytest
+from conftest import cli
+from fake_openai import FakeOpenAI, edit
+
+from orchestrator.loop import Settings, run_loop
+from orchestrator.proposers.memory import fingerprint, journal
+from orchestrator.store.ledger import read_record, read_rows
+from orchestrator.store.session import Paths
+
+OLD = "BPB = 1.0  # [0.1, 10.0]"
+
+
+def bpb(value: float) -> str:
+    return f"BPB = {value!r}  # [0.1, 10.0]"
+
+
+def quiet(_line: str) -> None:
+    pass
+
+
+def test_an_llm_s_repeats_are_rows_at_no_cost_and_the_prompt_carries_the_journal(fake_repo):
+    pytest.importorskip("openai")
+    repo = fake_repo(fakes.ok(1.0))
+    replies = [
+        edit(OLD, bpb(1.2), "BPB up"),  # 2 discard
+        edit(OLD, bpb(1.2), "BPB up, again"),  # 3 duplicate of 2 (same parent)
+        edit(OLD, bpb(0.9), "BPB down"),  # 4 keep
+        edit(bpb(0.9), bpb(1.1), "BPB up from the new best"),  # 5 discard: the same edit, another parent
+        edit(bpb(0.9), bpb(1.1) + "   ", "BPB up, reformatted"),  # 6 duplicate of 5 (layout is no idea)
+        edit(bpb(0.9), bpb(1.3), "BPB up more"),  # 7 discard
+        edit(bpb(0.9), bpb(1.1), "BPB up, third time"),  # 8 duplicate of 5
+        edit(bpb(0.9), bpb(0.8), "BPB down more"),  # 9 keep
+        edit(bpb(0.8), bpb(0.85), "a little up"),  # 10 discard
+    ]
+    with FakeOpenAI(replies) as server:
+        settings = Settings(
+            repo=repo,
+            tag="m",
+            budget=1.0,
+            timeout=20.0,
+            proposer="llm",
+            baseline_repeats=0,
+            max_experiments=10,
+            pipeline=False,
+            options={"llm_base_url": server.base_url, "llm_model": "fake-model"},
+        )
+        run_loop(settings, echo=quiet)
+        prompts = server.prompts()
+    rows = read_rows(repo / "results.tsv")
+    assert [r.status for r in rows] == ["keep", "discard", "discard", "keep"] + ["discard"] * 4 + ["keep", "discard"]
+    duplicates = {3: 2, 6: 5, 8: 5}
+    paths = Paths(repo, "m")
+    for n, earlier in duplicates.items():
+        assert f"duplicate of #{earlier} (discard at " in rows[n - 1].description, rows[n - 1].description
+        assert rows[n - 1].val_bpb == rows[earlier - 1].val_bpb  # the earlier result, not 0
+        record = read_record(paths.run_dir(n))
+        assert record.gate.decision == "duplicate" and "train" not in record.timings  # never trained
+        assert not (paths.run_dir(n) / "run.log").exists()
+    trained = [n for n in range(1, 11) if (paths.run_dir(n) / "run.log").exists()]
+    assert trained == [1, 2, 4, 5, 7, 9, 10]  # 3 of the 9 ideas repeated: 0 runs spent on them
+    # the prompts: the journal from the first; the repeat told once, in the next prompt
+    assert all("# What this session has learned (journal)" in p for p in prompts)
+    assert "Repeats caught and not run: 1" in prompts[3] and "#3 BPB up, again" in prompts[3]
+    assert "duplicate of #2" in prompts[3]  # its row, with the earlier result
+    assert "Kept changes" in prompts[-1] and "#4 BPB down" in prompts[-1] and "#9 BPB down more" in prompts[-1]
+    # it survives a resume (the records are the memory) and prints on its own
+    out = cli("journal", "--repo", str(repo), "--tag", "m")
+    assert out.returncode == 0 and "Repeats caught and not run: 3" in out.stdout, out.stdout + out.stderr
+    assert "Tried and not kept, by theme" in out.stdout and "- other constants: 4 tried" in out.stdout
+
+
+def test_two_slots_never_run_the_same_idea_at_once(fake_repo, plan):
+    repo = fake_repo(fakes.ok(1.0, sleep=0.3))
+    same = fakes.ok(0.9, sleep=0.3)
+    plan(
+        [
+            {"description": "idea A", "train": same},
+            {"description": "idea A, made by the other slot", "train": same},
+            {"description": "idea B", "train": fakes.ok(0.95, sleep=0.3)},
+        ]
+    )
+    settings = Settings(
+        repo=repo,
+        tag="p",
+        budget=1.0,
+        timeout=20.0,
+        proposer="fakes:Scripted",
+        baseline_repeats=0,
+        workers=2,
+        executor_options={"gpus": ""},
+        max_experiments=5,
+    )
+    run_loop(settings, echo=quiet)
+    paths = Paths(repo, "p")
+    records = [read_record(paths.run_dir(n)) for n in range(1, len(read_rows(paths.ledger)) + 1)]
+    by_generation: dict[str, list] = {}
+    for r in records:
+        if r.info.get("fingerprint") and r.gate.decision != "duplicate":
+            assert r.info["fingerprint"] not in by_generation.get(r.parent, []), r
+            by_generation.setdefault(r.parent, []).append(r.info["fingerprint"])
+    dup = next(r for r in records if r.description == "idea A, made by the other slot")
+    assert dup.gate.decision == "duplicate" and "train" not in dup.timings, dup
+    assert "running in this generation" in dup.reason or "duplicate of #" in dup.reason
+
+
+def test_fingerprints_ignore_layout_and_comments_but_not_the_parent():
+    a = "X = 1  # a comment\nprint(X)\n"
+    b = "X = 1\n\n\nprint( X )  # other words\n"
+    assert fingerprint(a, "p1") == fingerprint(b, "p1")
+    assert fingerprint(a, "p1") != fingerprint(a, "p2")
+    assert fingerprint(a, "p1") != fingerprint("X = 2\nprint(X)\n", "p1")
+    assert journal([]).startswith("Kept changes")
+    from orchestrator.proposers.memory import theme
+    from orchestrator.store.ledger import Record
+
+    older = Record(n=5, status="discard", description="jump: MATRIX_LR 0.04 -> 0.05, DEPTH 2 -> 1")  # no info.moved
+    assert theme(older) == "learning rates"
+    assert theme(Record(n=6, status="discard", description="swap in GELU")) == "architecture / code"
+
+
+def test_hybrid_tunes_the_constant_a_kept_llm_idea_introduced_and_follows_the_better_source(fake_repo):
+    """--proposer hybrid against a local OpenAI-compatible server: the LLM's first idea adds a constant GAIN
+    (structural: the search could not have made it) and is kept; the search then tunes GAIN; afterwards the
+    LLM only adds unused imports while the search keeps finding gains, and the bandit gives the search most ideas.
+    Every idea's source is in its record."""
+    pytest.importorskip("openai")
+    repo = fake_repo(fakes.ok(1.0))
+    structural = edit(OLD, OLD + "\nGAIN = 0.2  # [0.1, 0.9]\nBPB = BPB - GAIN", "subtract a new GAIN")
+    useless = [edit("import time", f"import time\nimport os as _os{i}", f"import os ({i})") for i in range(30)]
+    with FakeOpenAI([structural, *useless]) as server:
+        settings = Settings(
+            repo=repo,
+            tag="h",
+            budget=1.0,
+            timeout=20.0,
+            proposer="hybrid",
+            baseline_repeats=0,
+            max_experiments=24,
+            pipeline=False,
+            seed=3,
+            options={"llm_base_url": server.base_url, "llm_model": "fake-model", "hybrid_tune": 3},
+        )
+        run_loop(settings, echo=quiet)
+    paths = Paths(repo, "h")
+    records = [read_record(paths.run_dir(n)) for n in range(1, len(read_rows(paths.ledger)) + 1)]
+    ideas = [r for r in records[1:] if (r.group or r.n) == r.n]
+    assert all(r.info.get("source") in ("llm", "search", "search-tune") for r in ideas), [r.info for r in ideas]
+    first = ideas[0]
+    assert first.info["source"] == "llm" and first.status == "keep" and "GAIN = 0.2" in git_show(repo, first.commit)
+    tune = [r for r in ideas if r.info.get("source") == "search-tune"]
+    assert len(tune) == 3 and all(r.info["tuning"] == first.n for r in tune), [r.info for r in ideas]
+    assert all([m[0] for m in r.info["moved"]] == ["GAIN"] for r in tune)  # only the new constant
+    later = [r.info["source"] for r in ideas if r.n > tune[-1].n]
+    assert later.count("search") > later.count("llm"), later  # the source that keeps finding gains gets more
+
+
+def test_the_bandit_follows_the_better_rate_and_explores_the_other():
+    from orchestrator.proposers.base import Context
+    from orchestrator.proposers.hybrid import HybridProposer
+    from orchestrator.store.ledger import Evidence, Record
+
+    bandit = HybridProposer.__new__(HybridProposer)
+    bandit.price, bandit.context = 2.0, Context(repo=None, tag="t", profile=None, seed=1)
+
+    def idea(n: int, source: str, gain: float = 0.0, cost: float = 0.0) -> Record:
+        gate = Evidence("keep", best_mean=1.0, mean=1.0 - gain) if gain else Evidence("discard")
+        return Record(
+            n=n,
+            status="keep" if gain else "discard",
+            description="",
+            info={"source": source, "usage": {"cost": cost}},
+            timings={"train": 10.0},
+            gate=gate,
+        )
+
+    history = [Record(n=1, status="keep", description="baseline")]
+    assert bandit.choose(history) == "llm"  # nothing kept yet: turns, the LLM first
+    history += [idea(2, "llm")]
+    assert bandit.choose(history) == "search"
+    history += [idea(3, "search", gain=0.1), idea(4, "llm", gain=0.1, cost=0.02)]  # the LLM's $0.02 = 36 s
+    picks = [bandit.choose(history + [Record(n=5 + i, status="discard", description="")] * i) for i in range(200)]
+    assert 0.7 < picks.count("search") / 200 < 0.9  # the better rate (0.1 / 10 s vs 0.1 / 56 s), 1 in 5 explored
+    bandit.price = 1e9  # dollars are free: the same rates
+    history[-1].info["usage"]["cost"] = 0.0
+    history += [idea(5, "llm", gain=0.5)]
+    picks = [bandit.choose(history + [Record(n=6 + i, status="discard", description="")] * i) for i in range(200)]
+    assert 0.7 < picks.count("llm") / 200 < 0.9
+
+
+def git_show(repo, commit: str) -> str:
+    import git
+
+    return git.Repo(repo).git.show(f"{commit}:train.py")
+
+
+def test_memory_survives_a_resume(fake_repo):
+    """The memory is the records: an idea tried before the loop stopped is caught after it resumed."""
+    pytest.importorskip("openai")
+    repo = fake_repo(fakes.ok(1.0))
+    with FakeOpenAI([edit(OLD, bpb(1.2), "BPB up")]) as server:
+        settings = Settings(
+            repo=repo,
+            tag="r",
+            budget=1.0,
+            timeout=20.0,
+            proposer="llm",
+            baseline_repeats=0,
+            max_experiments=2,
+            pipeline=False,
+            options={"llm_base_url": server.base_url, "llm_model": "fake-model"},
+        )
+        run_loop(settings, echo=quiet)  # baseline, BPB up (discarded); then stopped
+        settings.max_experiments = 3
+        run_loop(settings, echo=quiet)  # resumed: the same idea again
+        prompts = server.prompts()
+    rows = read_rows(repo / "results.tsv")
+    assert "duplicate of #2 (discard at 1.200000): not run" in rows[2].description, rows[2].description
+    assert "#2 BPB up: +0.2000" in prompts[1]  # the journal of the resumed loop knows #2
