@@ -5,8 +5,9 @@ The LLM is simulated (benchmarks/surrogate/simllm.py): informed moves of 2-3 con
 30% repeats of its own earlier ideas, 10% broken edits; no LLM is called. Each arm drives the real controller
 (gate, ledger, git, idea memory) with the surrogate's fake train.py, as search_quality.py does. Reported: the
 true improvement (the baseline's noise-free val_bpb minus the kept best's) after 30 and --experiments
-experiments, median [quartiles]; the paired one-sided Wilcoxon test of the hybrid against the better of its
-parts; the repeats the memory caught (rows at no cost); the hybrid's allocation between its sources.
+runs' worth of compute and after --runs (duplicate rows and edits that did not compile cost nothing; a session
+goes on until its compute is spent), median [quartiles]; the paired one-sided Wilcoxon test of the hybrid against
+the better of its parts; the repeats the memory caught (rows at no cost); the hybrid's allocation.
 
     python benchmarks/hybrid_value.py --surrogate benchmarks/surrogate/tiny-5s.npz --seeds 20 --jobs 2
 """
@@ -27,9 +28,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "benchmarks" / "surrogate")]
 
+from night_value import improvement, quartiles  # noqa: E402
 from search_quality import die_with_parent, surrogate_session  # noqa: E402
 
 SIM = "simllm:SimulatedLLM"
+FREE_ROWS = 3  # a session's rows at most, per runs' worth of compute (duplicates and broken edits cost nothing)
 ARMS = {  # arm -> (proposer, its options)
     "search": ("search", {}),
     "llm": (SIM, {}),
@@ -45,22 +48,13 @@ def session(job: tuple) -> dict:
     return result
 
 
-def improvement(result: dict, n: int) -> float:
-    values = [v for v in result["best_true"][:n] if v is not None]
-    return values[0] - values[-1] if values else 0.0
-
-
-def quartiles(values: list[float]) -> str:
-    q = statistics.quantiles(values, n=4) if len(values) > 1 else values * 3
-    return f"{statistics.median(values):.4f} [{q[0]:.4f}, {q[2]:.4f}]"
-
-
 def report(args, results: list[dict], wall: float) -> None:
     from scipy.stats import wilcoxon
 
-    by = {arm: sorted((r for r in results if r["arm"] == arm), key=lambda r: r["seed"]) for arm in ARMS}
-    checkpoints = [30, args.experiments]
-    print(f"\n{args.surrogate.name}: {args.seeds} paired seeds x {args.experiments} experiments; {wall:.0f} s")
+    arms = [a for a in ARMS if any(r["arm"] == a for r in results)]
+    by = {arm: sorted((r for r in results if r["arm"] == arm), key=lambda r: r["seed"]) for arm in arms}
+    checkpoints = [30, args.runs]
+    print(f"\n{args.surrogate.name}: {args.seeds} paired seeds x {args.runs} runs' worth; {wall:.0f} s")
     print(f"{'arm':8s} " + " ".join(f"{'after ' + str(k):>26s}" for k in checkpoints) + "  repeats caught  crashes")
     for arm, runs in by.items():
         print(
@@ -68,7 +62,7 @@ def report(args, results: list[dict], wall: float) -> None:
             + " ".join(f"{quartiles([improvement(r, k) for r in runs]):>26s}" for k in checkpoints)
             + f"  {sum(r['duplicates'] for r in runs):>14d}  {sum(r['crashes'] for r in runs):>7d}"
         )
-    for k in checkpoints:
+    for k in checkpoints if {"hybrid", "search", "llm"} <= set(arms) else []:
         better = max(("search", "llm"), key=lambda a: statistics.median(improvement(r, k) for r in by[a]))
         a = [improvement(r, k) for r in by["hybrid"]]
         b = [improvement(r, k) for r in by[better]]
@@ -79,7 +73,7 @@ def report(args, results: list[dict], wall: float) -> None:
             f"(worse on {sum(d < 0 for d in diff)}), median difference {statistics.median(diff):+.4f}, "
             f"Wilcoxon one-sided p = {p:.3g}"
         )
-    sources = Counter(s for r in by["hybrid"] for s in r["sources"])
+    sources = Counter(s for r in by.get("hybrid", []) for s in r["sources"])
     print(f"hybrid's ideas by source: {dict(sources)}")
 
 
@@ -88,12 +82,19 @@ def main() -> int:
     ap.add_argument("--surrogate", type=Path, required=True, help="a fitted surrogate (.npz)")
     ap.add_argument("--profile", default="tiny", choices=["gpu", "cpu", "tiny"])
     ap.add_argument("--seeds", type=int, default=20)
-    ap.add_argument("--experiments", type=int, default=100)
+    ap.add_argument("--runs", type=int, default=100, help="runs' worth of compute per session")
+    ap.add_argument("--arms", default=",".join(ARMS), help=f"a comma-separated subset of {', '.join(ARMS)}")
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--out", type=Path, default=None, help="also write the raw results as JSON here")
+    ap.add_argument(
+        "--reuse", type=Path, default=None, help="an earlier --out: its sessions of the arms not run now (same seeds)"
+    )
     args = ap.parse_args()
-    if args.seeds < 1 or args.experiments < 31 or args.jobs < 1:
-        ap.error("--seeds and --jobs must be 1 or more, --experiments more than 30")
+    arms = args.arms.split(",")
+    if args.seeds < 1 or args.runs < 31 or args.jobs < 1:
+        ap.error("--seeds and --jobs must be 1 or more, --runs more than 30")
+    if not arms or set(arms) - set(ARMS):
+        ap.error(f"--arms takes a comma-separated subset of {', '.join(ARMS)}, not {args.arms!r}")
     if not args.surrogate.exists():
         ap.error(f"no surrogate at {args.surrogate} (benchmarks/surrogate/ holds the fitted ones)")
     model = str(args.surrogate.resolve())
@@ -101,7 +102,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp, ProcessPoolExecutor(args.jobs, initializer=die_with_parent) as pool:
         jobs = []
         for seed in range(args.seeds):
-            for arm, (proposer, options) in ARMS.items():
+            for arm in arms:
+                proposer, options = ARMS[arm]
                 where = Path(tmp) / arm
                 where.mkdir(exist_ok=True)
                 jobs.append(
@@ -112,17 +114,20 @@ def main() -> int:
                         proposer,
                         "noise",
                         seed,
-                        args.experiments,
+                        FREE_ROWS * args.runs,
                         str(where),
                         1.0,
                         None,
                         (0.0, 40),
                         "off",
-                        None,
+                        args.runs,
                         options,
                     )
                 )
         results = list(pool.map(session, jobs))
+    if args.reuse:
+        earlier = json.loads(args.reuse.read_text())["results"]
+        results += [r for r in earlier if r["arm"] not in arms and r["seed"] < args.seeds]
     report(args, results, time.monotonic() - t0)
     if args.out:
         args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results}))

@@ -68,7 +68,10 @@ def _load(model: str):
 
 
 def run_cost(record) -> float:
-    """A run's compute in runs' worth: 1, or for a run stopped early the share of its steps it ran."""
+    """A run's compute in runs' worth: 1, or for a run stopped early the share of its steps it ran; 0 for a row
+    that never trained (an exact repeat caught by the idea memory, an edit that did not compile)."""
+    if record.gate.decision == "duplicate" or (record.status == "crash" and not record.timings.get("train")):
+        return 0.0
     stopped = re.search(r"stopped at (\d+)%", record.gate.note or "") if record.gate.why == "stopped early" else None
     return int(stopped.group(1)) / 100 if stopped else 1.0
 
@@ -131,7 +134,7 @@ def surrogate_session(job: tuple) -> dict:
             break
     true = {group_of(r): r.metrics.get("true_bpb") for r in records if r.metrics.get("true_bpb") is not None}
     for r in records:  # a run stopped early printed no summary: its configuration's true value from the model
-        if run_cost(r) < 1 and group_of(r) not in true:
+        if r.gate.why == "stopped early" and group_of(r) not in true:
             true[group_of(r)] = true_value(git.Repo(repo).git.show(f"{r.commit}:train.py"), profile, model)
     best_true, parent_true, keeps, candidates, cost = [], {}, [], [], []
     state = replay([], records[0].commit if records else "")
@@ -153,7 +156,7 @@ def surrogate_session(job: tuple) -> dict:
         if r.status == Status.KEEP and group_of(r) in parent_true:
             keeps.append((group_of(r), parent_true[group_of(r)], true[group_of(r)]))
     kept = {g for g, _, _ in keeps}
-    stopped = {group_of(r) for r, c in zip(records, cost) if c < 1}
+    stopped = {group_of(r) for r in records if r.gate.why == "stopped early"}
     for g, before in parent_true.items():
         if before is not None:
             candidates.append((before - true[g], g in kept, g in stopped))

@@ -161,7 +161,7 @@ def test_hybrid_tunes_the_constant_a_kept_llm_idea_introduced_and_follows_the_be
     assert later.count("search") > later.count("llm"), later  # the source that keeps finding gains gets more
 
 
-def test_the_bandit_follows_the_better_rate_and_explores_the_other():
+def test_the_bandit_follows_the_better_rate_explores_the_uncertain_and_leaves_the_fruitless():
     from orchestrator.proposers.base import Context
     from orchestrator.proposers.hybrid import HybridProposer
     from orchestrator.store.ledger import Evidence, Record
@@ -180,18 +180,24 @@ def test_the_bandit_follows_the_better_rate_and_explores_the_other():
             gate=gate,
         )
 
-    history = [Record(n=1, status="keep", description="baseline")]
+    def share(history: list[Record], source: str) -> float:
+        filler = [Record(n=900, status="discard", description="")]  # (the draw's seed: the history's length)
+        return [bandit.choose(history + filler * i) for i in range(400)].count(source) / 400
+
+    baseline = [Record(n=1, status="keep", description="baseline")]
+    history = [*baseline]
     assert bandit.choose(history) == "llm"  # nothing kept yet: turns, the LLM first
     history += [idea(2, "llm")]
     assert bandit.choose(history) == "search"
     history += [idea(3, "search", gain=0.1), idea(4, "llm", gain=0.1, cost=0.02)]  # the LLM's $0.02 = 36 s
-    picks = [bandit.choose(history + [Record(n=5 + i, status="discard", description="")] * i) for i in range(200)]
-    assert 0.7 < picks.count("search") / 200 < 0.9  # the better rate (0.1 / 10 s vs 0.1 / 56 s), 1 in 5 explored
-    bandit.price = 1e9  # dollars are free: the same rates
-    history[-1].info["usage"]["cost"] = 0.0
+    assert 0.7 < share(history, "search") < 0.95  # the better rate (0.1 / 10 s vs 0.1 / 56 s); the LLM explored
+    bandit.price = 1e9  # dollars are free: the LLM's idea cost 10 s too
     history += [idea(5, "llm", gain=0.5)]
-    picks = [bandit.choose(history + [Record(n=6 + i, status="discard", description="")] * i) for i in range(200)]
-    assert 0.7 < picks.count("llm") / 200 < 0.9
+    assert share(history, "llm") > 0.5  # the better rate now, on three ideas against one
+    llm = [idea(100 + i, "llm", gain=0.05 if i % 3 == 0 else 0.0) for i in range(10)]  # 4 keeps in 10
+    few = share([*baseline, *(idea(2 + i, "search") for i in range(3)), *llm], "llm")
+    many = share([*baseline, *(idea(2 + i, "search") for i in range(20)), *llm], "llm")
+    assert 0.6 < few < 0.95 and many > 0.97, (few, many)  # 3 fruitless ideas: explored; 20: left
 
 
 def git_show(repo, commit: str) -> str:

@@ -7,9 +7,10 @@ between them by measured improvement per second of compute.
   constant nobody would tune otherwise), for `--hybrid-tune` ideas (`info.tuning`: the kept run).
 - Otherwise a bandit picks the source: each one's improvement (the best's mean before a keep minus the kept
   mean, summed over its keeps) per second it cost (its ideas' training time, all their runs, and the time to
-  make them, plus its dollars at `--hybrid-gpu-price` per GPU-hour, so an LLM's tokens count as compute). The
-  better rate is followed, one idea in five (EXPLORE) goes to the other; while neither has kept anything, they
-  alternate.
+  make them, plus its dollars at `--hybrid-gpu-price` per GPU-hour, so an LLM's tokens count as compute), by
+  Thompson sampling: the source whose rate, drawn from what its ideas measured, is higher. The other is
+  explored while its rate is uncertain and left once it is clearly lower; while neither has kept anything,
+  they alternate.
 - Both see everything: the LLM's prompt lists the search's results, and the search learns from every tried
   configuration, the LLM's edits included.
 
@@ -31,7 +32,6 @@ from .base import Context, Proposal, Proposer
 from .search import SearchProposer
 from .space import read_space
 
-EXPLORE = 0.2  # the share of ideas given to the source the bandit does not favour
 DEFAULT_TUNE = 3
 DEFAULT_GPU_PRICE = 2.0  # dollars per GPU-hour: what an LLM's dollar is worth in seconds of compute
 
@@ -112,34 +112,47 @@ class HybridProposer(Proposer):
         focus = sorted(n for n in space if n not in parent or n in moved)
         return (last.n, focus) if focus else None
 
-    def rates(self, history: list[Record]) -> dict[str, tuple[float, float, int]]:
-        """Per source: (improvement, seconds of compute, ideas)."""
+    def ideas(self, history: list[Record]) -> dict[str, list[tuple[float, float]]]:
+        """Per source, each of its ideas' (improvement, seconds of compute): the improvement is the best's mean
+        before the keep minus the kept mean (0 for an idea not kept), the seconds all its runs' training and the
+        time to make it, its dollars counted at --hybrid-gpu-price."""
         source_of = {
             r.n: "search" if str(r.info.get("source", "")).startswith("search") else r.info.get("source")
             for r in history
             if (r.group or r.n) == r.n
         }
-        out = {"llm": [0.0, 0.0, 0], "search": [0.0, 0.0, 0]}
+        per_idea: dict[int, list[float]] = {}
         for r in history:
-            arm = source_of.get(r.group or r.n)
-            if arm not in out:
+            if source_of.get(r.group or r.n) not in ("llm", "search"):
                 continue
-            cost = float(r.timings.get("train", 0.0)) + float(r.timings.get("propose", 0.0))
-            cost += float((r.info.get("usage") or {}).get("cost", 0.0) or 0.0) * 3600 / self.price
-            out[arm][1] += cost
-            out[arm][2] += (r.group or r.n) == r.n
+            gain, seconds = per_idea.setdefault(r.group or r.n, [0.0, 0.0])
+            seconds += float(r.timings.get("train", 0.0)) + float(r.timings.get("propose", 0.0))
+            seconds += float((r.info.get("usage") or {}).get("cost", 0.0) or 0.0) * 3600 / self.price
             if r.status == "keep" and r.gate.best_mean is not None and r.gate.mean is not None:
-                out[arm][0] += max(0.0, r.gate.best_mean - r.gate.mean)
-        return {k: (v[0], v[1], int(v[2])) for k, v in out.items()}
+                gain += max(0.0, r.gate.best_mean - r.gate.mean)
+            per_idea[r.group or r.n] = [gain, seconds]
+        out: dict[str, list[tuple[float, float]]] = {"llm": [], "search": []}
+        for n, (gain, seconds) in per_idea.items():
+            out[source_of[n]].append((gain, seconds))
+        return out
 
     def choose(self, history: list[Record]) -> str:
-        rates = self.rates(history)
+        """Thompson sampling on improvement per second: each source's rate drawn by a Bayesian bootstrap of its
+        ideas (random Dirichlet weights) and two pseudo-ideas as the prior, one as good as the best idea yet and one
+        that found nothing, each at the mean idea's cost; the higher draw gets the idea. A source with few ideas draws widely (it is explored), one with many that
+        found nothing draws near zero (it is left)."""
+        ideas = self.ideas(history)
+        if not any(gain for source in ideas.values() for gain, _ in source):  # nothing kept yet: take turns
+            return min(ideas, key=lambda a: (len(ideas[a]), a != "llm"))
         rng = random.Random(f"{self.context.seed}:hybrid:{len(history)}")
-        if not any(gain for gain, _, _ in rates.values()):  # nothing kept yet: take turns
-            return min(rates, key=lambda a: (rates[a][2], a != "llm"))
-        score = {a: gain / max(seconds, 1.0) for a, (gain, seconds, _) in rates.items()}
-        best = max(score, key=lambda a: score[a])
-        return best if rng.random() >= EXPLORE else ("search" if best == "llm" else "llm")
+        every = [idea for source in ideas.values() for idea in source]
+        seconds = max(sum(c for _, c in every) / len(every), 1e-9)
+        prior = [(max(g for g, _ in every), seconds), (0.0, seconds)]  # the best idea yet, and one that fails
+        draws = {}
+        for arm, own in ideas.items():
+            weights = [(rng.expovariate(1.0), g, c) for g, c in [*own, *prior]]
+            draws[arm] = sum(w * g for w, g, _ in weights) / max(sum(w * c for w, _, c in weights), 1e-9)
+        return max(draws, key=lambda a: (draws[a], a == "llm"))
 
     def observe(self, record: Record) -> None:
         self.llm.observe(record)
