@@ -75,6 +75,12 @@ def report(args, results: list[dict], wall: float) -> None:
         )
     sources = Counter(s for r in by.get("hybrid", []) for s in r["sources"])
     print(f"hybrid's ideas by source: {dict(sources)}")
+    gains = Counter()
+    for r in by.get("hybrid", []):
+        for source, gain in r.get("keep_sources", []):
+            gains[source] += gain
+    keeps = Counter(source for r in by.get("hybrid", []) for source, _ in r.get("keep_sources", []))
+    print(f"hybrid's keeps by source: {dict(keeps)}; their true gain: { {k: round(v, 3) for k, v in gains.items()} }")
 
 
 def main() -> int:

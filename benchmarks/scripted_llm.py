@@ -9,8 +9,8 @@ and the search's tuning of the constants a kept structural idea introduced, read
 The server reads the train.py in each prompt and answers with one idea that applies to it:
 - REPEAT of the time, an idea it already sent that still applies (an exact repeat if the best has not moved);
 - BROKEN of the time, an edit that does not compile;
-- otherwise the next idea of a fixed list that applies: structural ones that add a constant (ROPE_BASE, X0_INIT,
-  HEAD_INIT_STD) or change the code (GELU), and moves of existing constants.
+- otherwise the next idea of a fixed list that applies: structural ones that add a constant (MLP_RATIO,
+  ROPE_BASE, X0_INIT, HEAD_INIT_STD) or change the code (GELU), and moves of existing constants.
 
     python benchmarks/scripted_llm.py --proposer hybrid --budget 5 --max-experiments 30
     python benchmarks/scripted_llm.py --proposer llm --budget 5 --max-experiments 30
@@ -47,26 +47,34 @@ def constant(line: str) -> tuple[str, str]:
 # (description, [(search, replace), ...]): each applies only while every search text is in train.py
 IDEAS = [
     (
-        "make the rotary base a constant ROPE_BASE (tunable) instead of the hard-coded 10000",
+        "a narrower MLP as a constant MLP_RATIO = 2 (tunable; was a hard-coded 4): more steps in a short budget",
         [
-            constant("ROPE_BASE = 10000.0  # rotary embedding base  [1000.0, 100000.0]"),
+            constant("MLP_RATIO = 2  # MLP hidden width as a multiple of the model width  [1, 8]"),
+            ("nn.Linear(config.n_embd, 4 * config.n_embd,", "nn.Linear(config.n_embd, MLP_RATIO * config.n_embd,"),
+            ("nn.Linear(4 * config.n_embd, config.n_embd,", "nn.Linear(MLP_RATIO * config.n_embd, config.n_embd,"),
+        ],
+    ),
+    (
+        "a rotary base of 2000 for the short context, as a constant ROPE_BASE (tunable; was a hard-coded 10000)",
+        [
+            constant("ROPE_BASE = 2000.0  # rotary embedding base  [500.0, 100000.0]"),
             ("(10000 ** (torch.arange", "(ROPE_BASE ** (torch.arange"),
         ],
     ),
     ("DEPTH 2 -> 1 on tiny: a shallower model takes more steps", [("cpu=4, tiny=2)", "cpu=4, tiny=1)")]),
     (
-        "initialise the x0 skip weights from a constant X0_INIT (tunable) instead of 0.1",
+        "start the x0 skip weights at 0.3, a constant X0_INIT (tunable; was a hard-coded 0.1)",
         [
-            constant("X0_INIT = 0.1  # initial weight of the x0 skip per layer  [0.0, 0.5]"),
+            constant("X0_INIT = 0.3  # initial weight of the x0 skip per layer  [0.0, 0.5]"),
             ("self.x0_lambdas.fill_(0.1)", "self.x0_lambdas.fill_(X0_INIT)"),
         ],
     ),
     ("MATRIX_LR 0.04 -> 0.06: Muon tolerates a larger step", [("MATRIX_LR = 0.04 ", "MATRIX_LR = 0.06 ")]),
     ("swap the MLP's relu^2 for GELU", [("F.relu(self.c_fc(x)).square()", "F.gelu(self.c_fc(x))")]),
     (
-        "initialise the output head with a constant HEAD_INIT_STD (tunable) instead of 0.001",
+        "initialise the output head at std 0.005, a constant HEAD_INIT_STD (tunable; was a hard-coded 0.001)",
         [
-            constant("HEAD_INIT_STD = 0.001  # std of the output head's initial weights  [0.0001, 0.02]"),
+            constant("HEAD_INIT_STD = 0.005  # std of the output head's initial weights  [0.0001, 0.02]"),
             ("self.lm_head.weight, std=0.001)", "self.lm_head.weight, std=HEAD_INIT_STD)"),
         ],
     ),

@@ -156,6 +156,7 @@ def surrogate_session(job: tuple) -> dict:
         if r.status == Status.KEEP and group_of(r) in parent_true:
             keeps.append((group_of(r), parent_true[group_of(r)], true[group_of(r)]))
     kept = {g for g, _, _ in keeps}
+    source_of = {r.n: r.info.get("source") for r in records if group_of(r) == r.n}
     stopped = {group_of(r) for r in records if r.gate.why == "stopped early"}
     for g, before in parent_true.items():
         if before is not None:
@@ -170,6 +171,9 @@ def surrogate_session(job: tuple) -> dict:
         "duplicates": sum(r.gate.decision == "duplicate" for r in records),  # repeats caught, never run
         "sources": [r.info.get("source") for r in records if group_of(r) == r.n and r.info.get("source")],
         "keeps": [(before, after) for _, before, after in keeps],
+        "keep_sources": [  # (the kept idea's source, its true gain): hybrid_value.py's share of the gain
+            (source_of.get(g) or "-", before - after) for g, before, after in keeps if before is not None
+        ],
         "candidates": candidates,
     }
 

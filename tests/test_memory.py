@@ -200,6 +200,34 @@ def test_the_bandit_follows_the_better_rate_explores_the_uncertain_and_leaves_th
     assert 0.6 < few < 0.95 and many > 0.97, (few, many)  # 3 fruitless ideas: explored; 20: left
 
 
+def test_the_tuning_of_an_idea_kept_on_a_later_run_goes_on_after_its_own_keep(fake_repo):
+    """The LLM's idea #2 was kept on its 3rd run (#4, a repeat), the search's tuning #5 of it on its 2nd (#6): the
+    tuning goes on from the LLM idea, found through the repeats (this raised StopIteration on every later call,
+    a crash row each, before the idea's first run was looked up)."""
+    from orchestrator.proposers.base import Context
+    from orchestrator.proposers.hybrid import HybridProposer
+    from orchestrator.store.ledger import Evidence, Record
+
+    repo = fake_repo(fakes.ok(1.0))
+    options = {"llm_model": "m", "llm_base_url": "http://127.0.0.1:9/v1"}  # (never called)
+    hybrid = HybridProposer(Context(repo=repo, tag="t", profile="tiny", seed=1, options=options))
+    moved = {"moved": [["BPB", "1.0", "0.9"]]}
+    llm, tune = {"source": "llm", **moved}, {"source": "search-tune", "tuning": 4, **moved}
+    kept = Evidence("keep", best_mean=1.0, mean=0.9)
+    history = [
+        Record(n=1, status="keep", description="baseline"),
+        Record(n=2, status="discard", description="idea", info=llm),
+        Record(n=3, status="discard", description="idea", group=2, info={**llm, "repeat": 2}),
+        Record(n=4, status="keep", description="idea", group=2, info={**llm, "repeat": 3}, gate=kept),
+        Record(n=5, status="discard", description="tune", info=tune),
+        Record(n=6, status="keep", description="tune", group=5, info={**tune, "repeat": 2}, gate=kept),
+    ]
+    assert hybrid.tuning(history, bpb(0.9)) == (4, ["BPB"])  # one tuning idea of 3 so far: it goes on
+    history += [Record(n=7 + i, status="discard", description="tune", info=tune) for i in range(2)]
+    assert hybrid.tuning(history, bpb(0.9)) is None  # 3 tuning ideas: the bandit's turn
+    hybrid.close()
+
+
 def git_show(repo, commit: str) -> str:
     import git
 

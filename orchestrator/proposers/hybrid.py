@@ -94,12 +94,18 @@ class HybridProposer(Proposer):
         if not keeps or not self.tune:
             return None
         by_n = {r.n: r for r in history}
-        first = by_n.get(keeps[-1].group or keeps[-1].n, keeps[-1])
-        if first.info.get("source") == "search-tune":  # a keep of the tuning itself: the tuning goes on
-            first = by_n.get(first.info.get("tuning"), first)
+
+        def idea(r: Record) -> Record:  # the idea's first run, which carries its source (repeats share it)
+            return by_n.get(r.group or r.n, r)
+
+        first = idea(keeps[-1])
+        if first.info.get("source") == "search-tune" and first.info.get("tuning") in by_n:
+            first = idea(by_n[first.info["tuning"]])  # a keep of the tuning itself: the tuning goes on
         if first.info.get("source") != "llm":
             return None
-        last = next(r for r in keeps if (r.group or r.n) == first.n)  # the run that kept it
+        last = next((r for r in keeps if (r.group or r.n) == first.n), None)  # the run that kept it
+        if last is None:
+            return None
         since = [r for r in history if r.info.get("tuning") == last.n and (r.group or r.n) == r.n]
         if len(since) >= self.tune:
             return None
@@ -138,9 +144,9 @@ class HybridProposer(Proposer):
 
     def choose(self, history: list[Record]) -> str:
         """Thompson sampling on improvement per second: each source's rate drawn by a Bayesian bootstrap of its
-        ideas (random Dirichlet weights) and two pseudo-ideas as the prior, one as good as the best idea yet and one
-        that found nothing, each at the mean idea's cost; the higher draw gets the idea. A source with few ideas draws widely (it is explored), one with many that
-        found nothing draws near zero (it is left)."""
+        ideas (random Dirichlet weights) and two pseudo-ideas as the prior, one as good as the best idea yet and
+        one that found nothing, each at the mean idea's cost; the higher draw gets the idea. A source with few
+        ideas draws widely (it is explored), one with many that found nothing draws near zero (it is left)."""
         ideas = self.ideas(history)
         if not any(gain for source in ideas.values() for gain, _ in source):  # nothing kept yet: take turns
             return min(ideas, key=lambda a: (len(ideas[a]), a != "llm"))
