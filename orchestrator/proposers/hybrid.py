@@ -4,7 +4,8 @@ between them by measured improvement per second of compute.
 - Each idea comes from one source, recorded as record.json `info.source`: "llm" (the `--hybrid-llm` proposer,
   `llm` or `agent`, with its own options), "search", or "search-tune".
 - After the LLM's idea is kept, the search tunes the constants that idea introduced or moved (a new
-  constant nobody would tune otherwise), for `--hybrid-tune` ideas (`info.tuning`: the kept run).
+  constant nobody would tune otherwise): the next idea, and then the search's turns, up to `--hybrid-tune`
+  ideas (`info.tuning`: the kept run).
 - Otherwise a bandit picks the source: each one's improvement (the best's mean before a keep minus the kept
   mean, summed over its keeps) per second it cost (its ideas' training time, all their runs, and the time to
   make them, plus its dollars at `--hybrid-gpu-price` per GPU-hour, so an LLM's tokens count as compute), by
@@ -71,8 +72,9 @@ class HybridProposer(Proposer):
     def propose(self, workdir: Path, history: list[Record]) -> str | Proposal | None:
         source = (workdir / "train.py").read_text()
         tuning = self.tuning(history, source)
-        if tuning is not None:
-            kept, focus = tuning
+        arm = self.choose(history)
+        if tuning is not None and (tuning[2] == 0 or arm == "search"):  # the first at once, then on its turns
+            kept, focus, _ = tuning
             self.search.focus = focus
             try:
                 idea = self.search.propose(workdir, history)
@@ -80,7 +82,6 @@ class HybridProposer(Proposer):
                 self.search.focus = None
             if idea is not None:
                 return tagged(idea, "search-tune", tuning=kept)
-        arm = self.choose(history)
         first, second = (self.llm, self.search) if arm == "llm" else (self.search, self.llm)
         idea = first.propose(workdir, history)
         if idea is None:  # the one has nothing left: the other
@@ -88,8 +89,9 @@ class HybridProposer(Proposer):
             idea = second.propose(workdir, history)
         return None if idea is None else tagged(idea, arm)
 
-    def tuning(self, history: list[Record], source: str) -> tuple[int, list[str]] | None:
-        """(the kept LLM idea, the constants it introduced or moved) while the search still tunes them."""
+    def tuning(self, history: list[Record], source: str) -> tuple[int, list[str], int] | None:
+        """(the kept LLM idea, the constants it introduced or moved, its tuning ideas so far) while the search
+        may still tune them."""
         keeps = [r for r in history if r.status == "keep"][1:]  # (the first: the baseline)
         if not keeps or not self.tune:
             return None
@@ -116,7 +118,7 @@ class HybridProposer(Proposer):
             parent = {}
         moved = {name for name, *_ in first.info.get("moved") or []}
         focus = sorted(n for n in space if n not in parent or n in moved)
-        return (last.n, focus) if focus else None
+        return (last.n, focus, len(since)) if focus else None
 
     def ideas(self, history: list[Record]) -> dict[str, list[tuple[float, float]]]:
         """Per source, each of its ideas' (improvement, seconds of compute): the improvement is the best's mean
@@ -144,16 +146,17 @@ class HybridProposer(Proposer):
 
     def choose(self, history: list[Record]) -> str:
         """Thompson sampling on improvement per second: each source's rate drawn by a Bayesian bootstrap of its
-        ideas (random Dirichlet weights) and two pseudo-ideas as the prior, one as good as the best idea yet and
-        one that found nothing, each at the mean idea's cost; the higher draw gets the idea. A source with few
-        ideas draws widely (it is explored), one with many that found nothing draws near zero (it is left)."""
+        ideas (random Dirichlet weights) and two pseudo-ideas as the prior, one as good as the average idea of
+        both sources and one that found nothing, each at the mean idea's cost; the higher draw gets the idea. A
+        source with few ideas draws widely (it is explored), one with many that found nothing draws near zero (it
+        is left)."""
         ideas = self.ideas(history)
         if not any(gain for source in ideas.values() for gain, _ in source):  # nothing kept yet: take turns
             return min(ideas, key=lambda a: (len(ideas[a]), a != "llm"))
         rng = random.Random(f"{self.context.seed}:hybrid:{len(history)}")
         every = [idea for source in ideas.values() for idea in source]
         seconds = max(sum(c for _, c in every) / len(every), 1e-9)
-        prior = [(max(g for g, _ in every), seconds), (0.0, seconds)]  # the best idea yet, and one that fails
+        prior = [(sum(g for g, _ in every) / len(every), seconds), (0.0, seconds)]  # an average idea, a failure
         draws = {}
         for arm, own in ideas.items():
             weights = [(rng.expovariate(1.0), g, c) for g, c in [*own, *prior]]
