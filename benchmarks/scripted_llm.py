@@ -13,7 +13,7 @@ The server reads the train.py in each prompt and answers with one idea that appl
   ROPE_BASE, X0_INIT, HEAD_INIT_STD) or change the code (GELU), and moves of existing constants.
 
     python benchmarks/scripted_llm.py --proposer hybrid --budget 5 --max-experiments 30
-    python benchmarks/scripted_llm.py --proposer llm --budget 5 --max-experiments 30
+    python benchmarks/scripted_llm.py --proposer hybrid --budget 5 --max-experiments 40 -- --gate strict
 """
 
 from __future__ import annotations
@@ -166,6 +166,7 @@ def main() -> int:
     ap.add_argument("--repeat", type=float, default=REPEAT, help="share of the server's replies that repeat an idea")
     ap.add_argument("--broken", type=float, default=BROKEN, help="share of its replies that do not compile")
     ap.add_argument("--keep", type=Path, default=None, help="make the session's repo here and keep it")
+    ap.add_argument("run_args", nargs="*", help="after --: more options for `autoloop run` (e.g. --gate strict)")
     args = ap.parse_args()
     if not (0 <= args.repeat and 0 <= args.broken and args.repeat + args.broken < 1):
         ap.error("--repeat and --broken are shares of the replies: 0 or more, less than 1 together")
@@ -184,13 +185,15 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         repo = fresh_repo((args.keep or Path(tmp)) / "repo")
         command = [
-            sys.executable, "-m", "orchestrator", "run", str(repo), "--tag", "scripted",
+            sys.executable, "-c", "from orchestrator.cli import main; main()",
+            "run", "--repo", str(repo), "--tag", "scripted",
             "--budget", str(args.budget), "--max-experiments", str(args.max_experiments),
             "--profile", args.profile, "--workers", str(args.workers), "--seed", str(args.seed),
             "--proposer", args.proposer, "--llm-base-url", url, "--llm-model", "scripted",
         ]  # fmt: skip
         if args.proposer == "hybrid":
             command += ["--hybrid-llm", "llm"]
+        command += args.run_args
         t0 = time.monotonic()
         rc = subprocess.run(command, env={**os.environ, "AUTOLOOP_PROGRESS_SECONDS": "1e9"}).returncode
         wall = time.monotonic() - t0

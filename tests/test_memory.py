@@ -9,6 +9,7 @@ import pytest
 from conftest import cli
 from fake_openai import FakeOpenAI, edit
 
+from orchestrator.core.noise import Gate
 from orchestrator.loop import Settings, run_loop
 from orchestrator.proposers.memory import fingerprint, journal
 from orchestrator.store.ledger import read_record, read_rows
@@ -74,6 +75,39 @@ def test_an_llm_s_repeats_are_rows_at_no_cost_and_the_prompt_carries_the_journal
     out = cli("journal", "--repo", str(repo), "--tag", "m")
     assert out.returncode == 0 and "Repeats caught and not run: 3" in out.stdout, out.stdout + out.stderr
     assert "Tried and not kept, by theme" in out.stdout and "- other constants: 4 tried" in out.stdout
+
+
+def test_an_idea_made_ahead_that_the_best_already_holds_is_not_run(fake_repo):
+    """Pipelined: the LLM's next idea is made on the old best while the current one trains; here it is the same
+    change, which is kept. Carried over to the new best it changes nothing: it is asked again, never run (a
+    real night ran one such empty change for a full run: benchmarks/scripted_llm.py)."""
+    pytest.importorskip("openai")
+    repo = fake_repo(fakes.ok(1.0))
+    replies = [
+        edit(OLD, bpb(0.9), "BPB down"),  # 2 keep
+        edit(OLD, bpb(0.9), "BPB down (made ahead on the baseline)"),  # in the best once 2 is kept: asked again
+        edit(bpb(0.9), bpb(0.8), "BPB down more"),  # 3 keep
+    ]
+    with FakeOpenAI(replies) as server:
+        settings = Settings(
+            repo=repo,
+            tag="p",
+            budget=1.0,
+            timeout=20.0,
+            proposer="llm",
+            gate=Gate(mode="strict"),
+            baseline_repeats=0,
+            max_experiments=3,
+            pipeline=True,
+            options={"llm_base_url": server.base_url, "llm_model": "fake-model"},
+        )
+        run_loop(settings, echo=quiet)
+        asked = len(server.requests)
+    rows = read_rows(repo / "results.tsv")
+    assert [(r.status, r.description) for r in rows[1:]] == [("keep", "BPB down"), ("keep", "BPB down more")]
+    paths = Paths(repo, "p")
+    assert all((paths.run_dir(n) / "diff.patch").read_text().strip() for n in (2, 3))  # no empty change ran
+    assert asked >= 3  # the idea already in the best was made, and another asked for instead
 
 
 def test_two_slots_never_run_the_same_idea_at_once(fake_repo, plan):

@@ -74,8 +74,9 @@ def make_proposal(ws: Workspace, proposer: Proposer, base: str, history: list[Re
 
 
 def carry(ws: Workspace, prepared: Prepared, best: str) -> Prepared | None:
-    """An idea made on an older best, re-applied on `best` (three-way); None if it does not carry over (or
-    had failed: ask again). Uses the branch worktree, which stands at `best`."""
+    """An idea made on an older best, re-applied on `best` (three-way); None if it does not carry over, had
+    failed, or is in the best already (the best moved by this very change: run, it would be the best again):
+    ask again. Uses the branch worktree, which stands at `best`."""
     if prepared.base == best or prepared.exhausted:
         return prepared
     if prepared.reason or gitops.carry_over(ws.wt, prepared.patch, prepared.patch_u0):
@@ -83,7 +84,7 @@ def carry(ws: Workspace, prepared: Prepared, best: str) -> Prepared | None:
     prepared.patch = gitops.diff_all(ws.wt, best)
     prepared.base = best
     gitops.reset_to(ws.wt, best)
-    return prepared
+    return prepared if prepared.patch.strip() else None
 
 
 class Prefetch(Background):
