@@ -104,6 +104,12 @@ def main() -> int:
     if not args.surrogate.exists():
         ap.error(f"no surrogate at {args.surrogate} (benchmarks/surrogate/ holds the fitted ones)")
     model = str(args.surrogate.resolve())
+    if args.reuse:  # its sessions must be of the same landscape and compute
+        saved = json.loads(args.reuse.read_text())
+        same = {"surrogate": args.surrogate.name, "runs": str(args.runs), "profile": args.profile}
+        theirs = {**saved["args"], "surrogate": Path(saved["args"].get("surrogate", "")).name}
+        if {k: theirs.get(k) for k in same} != same:
+            ap.error(f"--reuse {args.reuse} was run with other settings ({saved['args']}): run every arm again")
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp, ProcessPoolExecutor(args.jobs, initializer=die_with_parent) as pool:
         jobs = []
@@ -132,7 +138,7 @@ def main() -> int:
                 )
         results = list(pool.map(session, jobs))
     if args.reuse:
-        earlier = json.loads(args.reuse.read_text())["results"]
+        earlier = saved["results"]
         results += [r for r in earlier if r["arm"] not in arms and r["seed"] < args.seeds]
     report(args, results, time.monotonic() - t0)
     if args.out:

@@ -103,7 +103,7 @@ class ScriptedLLM:
         self.tokens: Counter = Counter()  # prompt + completion tokens by kind
         self.lock = threading.Lock()
 
-    def answer(self, prompt: str) -> str:
+    def answer(self, prompt: str) -> tuple[str, str]:
         applies = [i for i, (_, edits) in enumerate(IDEAS) if all(s in prompt for s, _ in edits)]
         draw = self.rng.random()
         again = [i for i in dict.fromkeys(self.sent) if i in applies]
@@ -224,7 +224,7 @@ def main() -> int:
         f"{repeats_trained}; runs saved {len(duplicates)}, training seconds saved {saved:.0f}"
     )
     print(f"runs trained: {len(trained)}; statuses: {dict(Counter(r.status for r in records))}")
-    sources = Counter(by_n[group_of(r)].info.get("source", "-") for r in records if r.n > 1)
+    sources = Counter(by_n.get(group_of(r), r).info.get("source", "-") for r in records if r.n > 1)
     by_source = Counter(r.info.get("source", "-") for r in ideas)
     print(f"runs by source: {dict(sources)}; ideas by source: {dict(by_source)}")
     for r in ideas:

@@ -195,6 +195,31 @@ def test_hybrid_tunes_the_constant_a_kept_llm_idea_introduced_and_follows_the_be
     assert later.count("search") > later.count("llm"), later  # the source that keeps finding gains gets more
 
 
+def test_a_failed_llm_idea_is_charged_to_the_llm_and_the_search_gets_its_turn(fake_repo):
+    """Before anything is kept the sources take turns by their ideas; an LLM reply that does not apply is a
+    crash row of the LLM's (it used to carry no source, so the LLM kept the turn and failed again)."""
+    pytest.importorskip("openai")
+    repo = fake_repo(fakes.ok(1.0))
+    with FakeOpenAI([edit("NOT IN TRAIN.PY", "x = 1", "an edit that does not apply")]) as server:
+        settings = Settings(
+            repo=repo,
+            tag="f",
+            budget=1.0,
+            timeout=20.0,
+            proposer="hybrid",
+            baseline_repeats=0,
+            max_experiments=3,
+            pipeline=False,
+            seed=3,
+            options={"llm_base_url": server.base_url, "llm_model": "fake-model"},
+        )
+        run_loop(settings, echo=quiet)
+    paths = Paths(repo, "f")
+    records = [read_record(paths.run_dir(n)) for n in (2, 3)]
+    assert records[0].status == "crash" and records[0].info.get("source") == "llm", records[0].info
+    assert records[1].info.get("source") == "search", records[1].info
+
+
 def test_the_bandit_follows_the_better_rate_explores_the_uncertain_and_leaves_the_fruitless():
     from orchestrator.proposers.base import Context
     from orchestrator.proposers.hybrid import HybridProposer
@@ -259,6 +284,17 @@ def test_the_tuning_of_an_idea_kept_on_a_later_run_goes_on_after_its_own_keep(fa
         Record(n=6, status="keep", description="tune", group=5, info={**tune, "repeat": 2}, gate=kept),
     ]
     assert hybrid.tuning(history, bpb(0.9)) == (4, ["BPB"], 1)  # one tuning idea of 3 so far: it goes on
+    # the first tuning idea at once; the rest only on the search's turns (here the LLM's rate is the better one)
+    fruitless = [Record(n=100 + i, status="discard", description="s", info={"source": "search"}) for i in range(20)]
+    filler = [Record(n=900, status="discard", description="")]  # (the draw's seed: the history's length)
+    assert all(hybrid.route(history[:4] + filler * i, bpb(0.9))[0] == "search-tune" for i in range(20))
+    later = [
+        (hybrid.route(h, bpb(0.9)), hybrid.choose(h)) for h in (history + fruitless + filler * i for i in range(40))
+    ]
+    assert all(
+        route == (("search-tune", (4, ["BPB"], 1)) if arm == "search" else ("llm", None)) for route, arm in later
+    )
+    assert sum(route[0] == "llm" for route, _ in later) >= 10  # (so the rule above was put to the test)
     history += [Record(n=7 + i, status="discard", description="tune", info=tune) for i in range(2)]
     assert hybrid.tuning(history, bpb(0.9)) is None  # 3 tuning ideas: the bandit's turn
     hybrid.close()

@@ -29,7 +29,7 @@ from .. import LoopError
 from ..plugins import FiniteRange
 from ..store.ledger import Record
 from . import load
-from .base import Context, Proposal, Proposer
+from .base import Context, Proposal, ProposalFailed, Proposer
 from .search import SearchProposer
 from .space import read_space
 
@@ -70,24 +70,42 @@ class HybridProposer(Proposer):
         self.llm.cancelled = self.search.cancelled = self.cancelled  # the loop's stop reaches both
 
     def propose(self, workdir: Path, history: list[Record]) -> str | Proposal | None:
-        source = (workdir / "train.py").read_text()
-        tuning = self.tuning(history, source)
-        arm = self.choose(history)
-        if tuning is not None and (tuning[2] == 0 or arm == "search"):  # the first at once, then on its turns
+        arm, tuning = self.route(history, (workdir / "train.py").read_text())
+        if tuning is not None:
             kept, focus, _ = tuning
             self.search.focus = focus
             try:
-                idea = self.search.propose(workdir, history)
+                idea = self.ask(self.search, "search-tune", workdir, history, tuning=kept)
             finally:
                 self.search.focus = None
             if idea is not None:
-                return tagged(idea, "search-tune", tuning=kept)
+                return idea
+            arm = self.choose(history)
         first, second = (self.llm, self.search) if arm == "llm" else (self.search, self.llm)
-        idea = first.propose(workdir, history)
+        idea = self.ask(first, arm, workdir, history)
         if idea is None:  # the one has nothing left: the other
-            arm = "search" if arm == "llm" else "llm"
-            idea = second.propose(workdir, history)
-        return None if idea is None else tagged(idea, arm)
+            other = "search" if arm == "llm" else "llm"
+            idea = self.ask(second, other, workdir, history)
+        return idea
+
+    def route(self, history: list[Record], source: str) -> tuple[str, tuple[int, list[str], int] | None]:
+        """The source of the next idea, and what it tunes: the first tuning idea of a kept LLM idea at once, the
+        rest on the search's turns."""
+        tuning = self.tuning(history, source)
+        arm = self.choose(history)
+        if tuning is not None and (tuning[2] == 0 or arm == "search"):
+            return "search-tune", tuning
+        return arm, None
+
+    def ask(self, proposer: Proposer, source: str, workdir: Path, history: list[Record], **info) -> Proposal | None:
+        """The proposer's idea with its source; an idea that failed (a reply that does not apply) is charged to
+        its source too, so a source that keeps failing loses its turns."""
+        try:
+            idea = proposer.propose(workdir, history)
+        except ProposalFailed as e:
+            e.info = {**e.info, "source": source, **info}
+            raise
+        return None if idea is None else tagged(idea, source, **info)
 
     def tuning(self, history: list[Record], source: str) -> tuple[int, list[str], int] | None:
         """(the kept LLM idea, the constants it introduced or moved, its tuning ideas so far) while the search
