@@ -10,6 +10,9 @@ per hour with N times the single slot's.
     python benchmarks/loop_overhead.py --budget 10 --experiments 6 --workers 4
     python benchmarks/loop_overhead.py --budget 5 --experiments 6 --confinement   # the sandbox's and the
                                                                 # protected-state check's cost per experiment
+    python benchmarks/loop_overhead.py --budget 5 --experiments 6 --executor slurm --start-slurm
+        # one Slurm job per experiment (a one-node Slurm started here, tests/slurm_cluster.py; or the cluster
+        # SLURM_CONF names, with --slurm-workdir) against the local executor, in one run
 """
 
 from __future__ import annotations
@@ -63,7 +66,12 @@ print("mfu_percent:      0.00")
 
 
 def session(
-    args, workers: int, experiments: int, sandbox: str = "off", fingerprint: list | None = None
+    args,
+    workers: int,
+    experiments: int,
+    sandbox: str = "off",
+    fingerprint: list | None = None,
+    executor: str = "local",
 ) -> tuple[float, list]:
     """One session on a fresh repo holding the fake train.py; (wall seconds, run records). `fingerprint`, if
     given, gets the seconds one protected-state snapshot and check take on the finished session."""
@@ -86,7 +94,10 @@ def session(
             pipeline=args.pipeline,
             baseline_repeats=0,
             workers=workers,
-            executor_options={"gpus": []},
+            executor=executor,
+            executor_options={"gpus": []}
+            if executor == "local"
+            else {"slurm_workdir": args.slurm_workdir or Path(tmp) / "shared"},
             sandbox=sandbox,
         )
         t0 = time.monotonic()
@@ -126,8 +137,41 @@ def main() -> None:
         default=1,
         help="also run this many slots at once (workers x experiments) and compare throughput",
     )
+    ap.add_argument(
+        "--executor",
+        choices=["local", "slurm"],
+        default="local",
+        help="slurm: also run the session as Slurm jobs and compare the overhead per experiment with local's",
+    )
+    ap.add_argument("--slurm-workdir", type=Path, default=None, help="a shared directory (default: a temporary one)")
+    ap.add_argument(
+        "--start-slurm", action="store_true", help="start a one-node Slurm here for it (tests/slurm_cluster.py)"
+    )
     args = ap.parse_args()
     os.environ["AUTOLOOP_BENCH_PROPOSE_S"] = str(args.propose_seconds)
+    if args.executor == "slurm" and args.start_slurm:
+        import sys
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+        from slurm_cluster import SlurmCluster, slurm_problem
+
+        if problem := slurm_problem():
+            raise SystemExit(f"loop_overhead.py: no Slurm to start: {problem}")
+        with tempfile.TemporaryDirectory() as root, SlurmCluster(Path(root)) as cluster:
+            os.environ.update({k: v for k, v in cluster.env.items() if k.startswith("SLURM")})
+            measure(args)
+        return
+    measure(args)
+
+
+def overhead_of(wall: float, records: list) -> float:
+    """(session wall - training - waiting for ideas) / experiments."""
+    train = sum(r.timings.get("train", 0.0) for r in records)
+    waited = sum(r.timings.get("propose_wait", 0.0) for r in records)
+    return (wall - train - waited) / len(records)
+
+
+def measure(args) -> None:
     wall, records = session(args, 1, args.experiments)
     train = [r.timings.get("train", 0.0) for r in records]
     waited = [r.timings.get("propose_wait", 0.0) for r in records]
@@ -165,6 +209,16 @@ def main() -> None:
                 f"protected-state check:        {cost[3]:.4f}s per run ({args.experiments} records; snapshot "
                 "before the generation and check after each run)"
             )
+    if args.executor == "slurm":
+        wall_s, recs = session(args, 1, args.experiments, executor="slurm")
+        slurm = overhead_of(wall_s, recs)
+        train_s = statistics.median(r.timings.get("train", 0.0) for r in recs)
+        print(
+            f"slurm executor:               {slurm:.3f}s overhead per experiment (local {overhead:.3f}s: "
+            f"+{slurm - overhead:.3f}s); the train step {train_s:.2f}s median (local "
+            f"{statistics.median(train):.2f}s); {3600 * len(recs) / wall_s:.1f} experiments "
+            "per hour"
+        )
     if args.workers > 1:
         n = args.workers * args.experiments
         wall_n, records_n = session(args, args.workers, n)

@@ -145,3 +145,18 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     )  # fakes are deterministic: no noise to measure
     env.update(extra)
     return env
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """A real one-node Slurm cluster on this machine (tests/slurm_cluster.py), for the session; stopped at its
+    end, jobs and all. Skipped where Slurm cannot start, but on CI (CI set), where that fails instead: .ci/run
+    installs it, and a CI without it must not pass without its tests."""
+    from slurm_cluster import SlurmCluster, slurm_problem
+
+    if problem := slurm_problem():
+        if os.environ.get("CI"):
+            pytest.fail(f"CI has no Slurm cluster: {problem}")
+        pytest.skip(problem)
+    with SlurmCluster(tmp_path_factory.mktemp("slurm"), cpus=max(2, os.cpu_count() or 1)) as cluster:
+        yield cluster

@@ -15,10 +15,7 @@ Without --workers the slots follow the GPUs of the cluster's alive nodes, re-rea
 from __future__ import annotations
 
 import logging
-import os
 import shutil
-import socket
-import sys
 import tempfile
 import time
 import uuid
@@ -27,12 +24,9 @@ from pathlib import Path
 import click
 
 from ..plugins import FiniteRange
-from ..trust.confine import allowed_env
-from ..trust.harness import evaluation_data
-from .base import OUT, SCRATCH_DIRS, Executor, Handle, Job, JobResult, Slot, StepResult, run_steps
+from .base import Executor, Handle, Job, JobResult, Slot
+from .remote import job_result, job_spec, run_spec, shipped_env, tracked_files, write_files
 
-SHIPPED_ENV = ("PYTHONUNBUFFERED", "OMP_NUM_THREADS")  # besides every AUTOLOOP_* variable
-PREPARE_TIMEOUT_S = 3600.0
 CANCEL_GRACE_S = 10.0
 SCHEDULE_TIMEOUT_S = 600.0  # a task not started by then is cancelled and comes back as an infra_error
 
@@ -62,90 +56,21 @@ class Starts:
         return found
 
 
-def prepare_data(src: Path, out: Path, env: dict[str, str]) -> str:
-    """`prepare.py --check`, else `prepare.py`, one task at a time per cache directory (they share its temporary
-    file names); why it failed, or ''. Runs on the node, the log in out/prepare.log."""
-    import fcntl
-
-    from orchestrator.executors.runner import run_command
-    from orchestrator.trust.summary import last_error_line, read_tail
-
-    cache = Path(env.get("AUTOLOOP_CACHE") or "~/.cache/autoloop").expanduser()  # prepare.py's CACHE_DIR
-    cache.mkdir(parents=True, exist_ok=True)
-    with open(cache / ".prepare.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when the process dies
-        check = run_command([sys.executable, "prepare.py", "--check"], src, env, out / "prepare.log", 300.0)
-        if check.exit_code == 0:
-            return ""
-        run = run_command([sys.executable, "prepare.py"], src, env, out / "prepare.log", PREPARE_TIMEOUT_S)
-    if run.exit_code == 0 and not run.timed_out:
-        return ""
-    how = f"timed out after {PREPARE_TIMEOUT_S:.0f}s" if run.timed_out else f"exit code {run.exit_code}"
-    last = last_error_line(read_tail(out / "prepare.log"))
-    return f"prepare.py failed on {socket.gethostname()} ({how}{': ' + last if last else ''})"
-
-
 def _node_job(spec: dict, files: dict[str, bytes], inputs: dict[str, bytes], starts=None) -> dict:
-    """Runs inside the Ray task, on whichever node Ray chose."""
+    """Runs inside the Ray task, on whichever node Ray chose: the job in a scratch directory, its outputs back."""
     if starts is not None:
         starts.mark.remote(spec["key"])  # no wait: the task never depends on the controller's node
     scratch = Path(tempfile.mkdtemp(prefix="autoloop-job-"))
     try:
         src, out = scratch / "src", scratch / "out"
         out.mkdir(parents=True)
-        for rel, data in files.items():
-            (src / rel).parent.mkdir(parents=True, exist_ok=True)
-            (src / rel).write_bytes(data)
-        for name, data in inputs.items():
-            (out / name).write_bytes(data)
-        env = {**allowed_env(), **spec["env"], "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "")}
-        if spec["prepare"] and (src / "prepare.py").exists() and (error := prepare_data(src, out, env)):
-            return {"infra_error": error, "outputs": {"prepare.log": (out / "prepare.log").read_bytes()}}
-        # what the training step may not read: the controller's list (valid where the node's paths are the
-        # same) and the validation data of every prepared manifest in this node's cache
-        cache = Path(env.get("AUTOLOOP_CACHE") or "~/.cache/autoloop").expanduser()
-        node_hidden = [p for m in sorted(cache.glob("*/manifest-*.json")) for p in evaluation_data(m)]
-        step_hidden = [tuple(spec["step_hidden"][0] if spec["step_hidden"] else ()) + tuple(node_hidden)]
-        job = Job(
-            steps=spec["steps"],
-            logs=spec["logs"],
-            env=env,
-            timeout_s=spec["timeout_s"],
-            workdir=src,
-            out_dir=out,
-            watch=tuple(spec["watch"]),
-            step_env=spec["step_env"],
-            log_cap=spec["log_cap"],
-            step_stdin=spec["step_stdin"],
-            sandbox=spec["sandbox"],
-            step_hidden=step_hidden,
-            step_start_after=spec.get("step_start_after") or [],
-            read_only=tuple(spec.get("read_only") or ()),
-            stop_rule=spec.get("stop_rule"),
-        )
-        result = run_steps(job, src, out, {})
-        return {
-            "steps": [(s.exit_code, s.timed_out, s.wall_s, s.log.name) for s in result.steps],
-            "modified": result.modified,
-            "ages": result.ages,
-            "device": result.device,
-            "node": result.node,
-            "interrupted": result.interrupted,
-            "stopped": result.stopped,
-            "audited": result.audited,
-            "visible": env["CUDA_VISIBLE_DEVICES"],
-            "outputs": {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()},
-        }
+        write_files(src, files)
+        write_files(out, inputs)
+        data = run_spec(spec, src, out)
+        data["outputs"] = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+        return data
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-
-
-def tracked_files(workdir: Path) -> dict[str, bytes]:
-    """The worktree's code as the task will see it: every file git tracks there."""
-    from ..store import gitops  # with its git directory named by the controller, never read from the worktree
-
-    names = gitops.Repo(workdir).git.ls_files("-z").split("\0")
-    return {name: (workdir / name).read_bytes() for name in names if name and (workdir / name).is_file()}
 
 
 class RayHandle(Handle):
@@ -207,24 +132,9 @@ class RayHandle(Handle):
             return self._result
         out = self._job.out_dir
         out.mkdir(parents=True, exist_ok=True)
-        for name, blob in data["outputs"].items():
+        for name, blob in data.pop("outputs", {}).items():
             (out / name).write_bytes(blob)
-        if data.get("infra_error"):
-            self._result = JobResult(
-                infra_error=f"{data['infra_error']}; see {out / 'prepare.log'}", slot=self._slot.index
-            )
-            return self._result
-        self._result = JobResult(
-            steps=[StepResult(code, timed_out, wall, out / log) for code, timed_out, wall, log in data["steps"]],
-            modified=data["modified"],
-            ages=data["ages"],
-            device=data["device"],
-            node=data["node"],
-            slot=self._slot.index,
-            interrupted=data["interrupted"],
-            stopped=data.get("stopped", ""),
-            audited=data.get("audited", ""),
-        )
+        self._result = job_result(data, out, self._slot)
         return self._result
 
     def cancel(self) -> None:
@@ -316,38 +226,8 @@ class RayExecutor(Executor):
         return [Slot(i, {}, "ray") for i in range(self._workers or self._live)]
 
     def submit(self, job: Job, slot: Slot) -> Handle:
-        env = {
-            k: v
-            for k, v in job.env.items()
-            if (k.startswith("AUTOLOOP_") or k in SHIPPED_ENV) and k not in job.local_only
-        }
-        # the run's own TMPDIR and kernel caches, in its scratch directory on the node (HOME stays the node's)
-        env.update(
-            {
-                k: v.replace("/../../cache/", "/cache/")
-                for k, v in job.env.items()
-                if k in SCRATCH_DIRS and k != "HOME" and OUT in v
-            }
-        )
-        env.update({k: v for k, v in slot.env.items() if k != "CUDA_VISIBLE_DEVICES"})
         key = uuid.uuid4().hex
-        spec = {
-            "steps": job.steps,
-            "logs": job.logs,
-            "env": env,
-            "timeout_s": job.timeout_s,
-            "key": key,
-            "watch": list(job.watch),
-            "step_env": job.step_env,
-            "prepare": self.prepare,
-            "log_cap": job.log_cap,
-            "step_stdin": job.step_stdin,
-            "sandbox": job.sandbox,
-            "step_hidden": [list(hidden) for hidden in job.step_hidden],
-            "step_start_after": job.step_start_after,
-            "read_only": list(job.read_only),
-            "stop_rule": job.stop_rule,
-        }
+        spec = {**job_spec(job, shipped_env(job, slot), self.prepare), "key": key}
         inputs = {name: Path(path).read_bytes() for name, path in job.inputs.items()}
         options = {"num_gpus": self.gpus_per_task, "num_cpus": self.cpus_per_task}
         ref = self._task.options(**options).remote(spec, tracked_files(job.workdir), inputs, self.starts)
