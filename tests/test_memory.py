@@ -261,6 +261,40 @@ def test_the_bandit_follows_the_better_rate_explores_the_uncertain_and_leaves_th
     assert 0.5 < share([*baseline, *search, *llm], "llm") < 0.8  # close rates: both get a real share
 
 
+def test_the_bandit_learns_from_ideas_measured_better_before_anything_is_kept():
+    """Keeps come rarely, and late: an idea the gate measured better than the best (a lead, not kept yet) tells
+    which source makes promising ideas; one measured worse counts as nothing found; a kept idea counts its keep,
+    not the fresh runs of the best that follow in its group. (Under the keeps-only rule the two sources below
+    would still take turns.)"""
+    from orchestrator.proposers.base import Context
+    from orchestrator.proposers.hybrid import HybridProposer
+    from orchestrator.store.ledger import Evidence, Record
+
+    bandit = HybridProposer.__new__(HybridProposer)
+    bandit.price, bandit.context = 2.0, Context(repo=None, tag="t", profile=None, seed=1)
+
+    def looked(n: int, source: str, mean: float, status: str = "discard", group: int | None = None) -> Record:
+        return Record(
+            n=n,
+            status=status,
+            description="",
+            group=group,
+            info={"source": source},
+            timings={"train": 10.0},
+            gate=Evidence(status, best_mean=1.0, mean=mean),
+        )
+
+    filler = [Record(n=900, status="discard", description="")]
+    history = [Record(n=1, status="keep", description="baseline")]
+    history += [looked(2 + 2 * i, "llm", 0.95) for i in range(4)]  # leads: 0.05 better each, none kept yet
+    history += [looked(3 + 2 * i, "search", 1.02) for i in range(4)]  # worse than the best
+    assert bandit.ideas(history) == {"llm": [(pytest.approx(0.05), 10.0)] * 4, "search": [(0.0, 10.0)] * 4}
+    shares = [bandit.choose(history + filler * i) for i in range(200)].count("llm") / 200
+    assert shares > 0.9, shares
+    kept = [looked(20, "search", 0.9, "keep"), looked(21, "search", 1.0, "discard", group=20)]  # then a fresh run
+    assert bandit.ideas(history + kept)["search"][-1] == (pytest.approx(0.1), 20.0)  # its keep's gain, both runs' cost
+
+
 def test_the_tuning_of_an_idea_kept_on_a_later_run_goes_on_after_its_own_keep(fake_repo):
     """The LLM's idea #2 was kept on its 3rd run (#4, a repeat), the search's tuning #5 of it on its 2nd (#6): the
     tuning goes on from the LLM idea, found through the repeats (this raised StopIteration on every later call,

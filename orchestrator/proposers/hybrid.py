@@ -6,12 +6,12 @@ between them by measured improvement per second of compute.
 - After the LLM's idea is kept, the search tunes the constants that idea introduced or moved (a new
   constant nobody would tune otherwise): the next idea, and then the search's turns, up to `--hybrid-tune`
   ideas (`info.tuning`: the kept run).
-- Otherwise a bandit picks the source: each one's improvement (the best's mean before a keep minus the kept
-  mean, summed over its keeps) per second it cost (its ideas' training time, all their runs, and the time to
-  make them, plus its dollars at `--hybrid-gpu-price` per GPU-hour, so an LLM's tokens count as compute), by
-  Thompson sampling: the source whose rate, drawn from what its ideas measured, is higher. The other is
-  explored while its rate is uncertain and left once it is clearly lower; while neither has kept anything,
-  they alternate.
+- Otherwise a bandit picks the source: each one's measured improvement (per idea, the best's mean minus the
+  idea's: at its keep for a kept idea, at its last look for the others, 0 where it was worse) per second it cost
+  (its ideas' training time, all their runs, and the time to make them, plus its dollars at
+  `--hybrid-gpu-price` per GPU-hour, so an LLM's tokens count as compute), by Thompson sampling: the source
+  whose rate, drawn from what its ideas measured, is higher. The other is explored while its rate is uncertain
+  and left once it is clearly lower; until an idea of either measures better than the best, they alternate.
 - Both see everything: the LLM's prompt lists the search's results, and the search learns from every tried
   configuration, the LLM's edits included.
 
@@ -139,27 +139,35 @@ class HybridProposer(Proposer):
         return (last.n, focus, len(since)) if focus else None
 
     def ideas(self, history: list[Record]) -> dict[str, list[tuple[float, float]]]:
-        """Per source, each of its ideas' (improvement, seconds of compute): the improvement is the best's mean
-        before the keep minus the kept mean (0 for an idea not kept), the seconds all its runs' training and the
-        time to make it, its dollars counted at --hybrid-gpu-price."""
+        """Per source, each of its ideas' (improvement, seconds of compute): the improvement is what the gate
+        measured, the best's mean minus the idea's (0 where it was worse): at its keep for a kept idea, at its last
+        look for the others (an idea that measured better but was not kept yet, or not clearly enough, still tells
+        which source makes promising ideas: keeps alone come too rarely to tell early); the seconds all its runs'
+        training and the time to make it, its dollars counted at --hybrid-gpu-price."""
         source_of = {
             r.n: "search" if str(r.info.get("source", "")).startswith("search") else r.info.get("source")
             for r in history
             if (r.group or r.n) == r.n
         }
-        per_idea: dict[int, list[float]] = {}
+        seconds: dict[int, float] = {}
+        kept: dict[int, float] = {}  # idea -> its gain at its keep
+        looked: dict[int, float] = {}  # idea -> its measured gain at its last look
         for r in history:
-            if source_of.get(r.group or r.n) not in ("llm", "search"):
+            n = r.group or r.n
+            if source_of.get(n) not in ("llm", "search"):
                 continue
-            gain, seconds = per_idea.setdefault(r.group or r.n, [0.0, 0.0])
-            seconds += float(r.timings.get("train", 0.0)) + float(r.timings.get("propose", 0.0))
-            seconds += float((r.info.get("usage") or {}).get("cost", 0.0) or 0.0) * 3600 / self.price
-            if r.status == "keep" and r.gate.best_mean is not None and r.gate.mean is not None:
-                gain += max(0.0, r.gate.best_mean - r.gate.mean)
-            per_idea[r.group or r.n] = [gain, seconds]
+            cost = float(r.timings.get("train", 0.0)) + float(r.timings.get("propose", 0.0))
+            cost += float((r.info.get("usage") or {}).get("cost", 0.0) or 0.0) * 3600 / self.price
+            seconds[n] = seconds.get(n, 0.0) + cost
+            if r.gate.best_mean is not None and r.gate.mean is not None:
+                gain = max(0.0, r.gate.best_mean - r.gate.mean)
+                if r.status == "keep":
+                    kept[n] = kept.get(n, 0.0) + gain
+                else:
+                    looked[n] = gain
         out: dict[str, list[tuple[float, float]]] = {"llm": [], "search": []}
-        for n, (gain, seconds) in per_idea.items():
-            out[source_of[n]].append((gain, seconds))
+        for n, cost in seconds.items():
+            out[source_of[n]].append((kept.get(n, looked.get(n, 0.0)), cost))
         return out
 
     def choose(self, history: list[Record]) -> str:
@@ -169,7 +177,7 @@ class HybridProposer(Proposer):
         source with few ideas draws widely (it is explored), one with many that found nothing draws near zero (it
         is left)."""
         ideas = self.ideas(history)
-        if not any(gain for source in ideas.values() for gain, _ in source):  # nothing kept yet: take turns
+        if not any(gain for source in ideas.values() for gain, _ in source):  # nothing measured better: turns
             return min(ideas, key=lambda a: (len(ideas[a]), a != "llm"))
         rng = random.Random(f"{self.context.seed}:hybrid:{len(history)}")
         every = [idea for source in ideas.values() for idea in source]
