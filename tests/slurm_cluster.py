@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import stat
 import subprocess
 import time
 from pathlib import Path
@@ -70,9 +71,10 @@ class SlurmCluster:
 
     partition = "cpu"
 
-    def __init__(self, root: Path, cpus: int | None = None) -> None:
+    def __init__(self, root: Path, cpus: int | None = None, gpus: int = 0) -> None:
         self.root = Path(root).resolve()
         self.cpus = cpus or os.cpu_count() or 1
+        self.gpus = gpus  # fake GPUs: device files Slurm allocates like GPUs (CUDA_VISIBLE_DEVICES set per job)
         self.node = socket.gethostname().split(".")[0]  # slurmctld runs only on a host SlurmctldHost names
         self.conf = self.root / "slurm.conf"
         self.env = {k: v for k, v in os.environ.items() if not k.startswith(CLIENT_PREFIXES)}
@@ -126,9 +128,23 @@ MailProg=/bin/true
 SchedulerParameters=sched_interval=1,bf_interval=1
 # CPUs as configured, whatever the hardware (else a node with more than it has is INVAL)
 SlurmdParameters=config_overrides
-NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory=1000 State=UNKNOWN
+{"GresTypes=gpu" if self.gpus else ""}
+NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus} {f"Gres=gpu:{self.gpus} " if self.gpus else ""}\
+RealMemory=1000 State=UNKNOWN
 PartitionName={self.partition} Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
 """
+
+    def fake_gpus(self) -> None:
+        """`gpus` character devices with NVIDIA's major number (files of no driver: nothing opens them) and a
+        gres.conf naming them: Slurm hands them out as GPUs and sets each job's CUDA_VISIBLE_DEVICES (it needs a
+        device's minor number for that, so plain files would not do). SlurmError where devices cannot be made."""
+        for i in range(self.gpus):
+            try:
+                os.mknod(self.root / f"gpu{i}", 0o600 | stat.S_IFCHR, os.makedev(195, i))
+            except OSError as e:
+                raise SlurmError(f"fake GPU devices cannot be made here ({e.strerror}): root is needed") from None
+        files = f"{self.root}/gpu[0-{self.gpus - 1}]" if self.gpus > 1 else f"{self.root}/gpu0"
+        (self.root / "gres.conf").write_text(f"AutoDetect=off\nNodeName={self.node} Name=gpu File={files}\n")
 
     def start(self, timeout: float = 60.0) -> None:
         """Write the configuration, start slurmctld and slurmd, and wait until the node is idle."""
@@ -143,6 +159,8 @@ PartitionName={self.partition} Nodes={self.node} Default=YES MaxTime=INFINITE St
         while slurmd_port == ctld_port:
             slurmd_port = free_port()
         self.conf.write_text(self.config(ctld_port, slurmd_port))
+        if self.gpus:
+            self.fake_gpus()
         commands = {
             "slurmctld": [str(binary("slurmctld")), "-D", "-i", "-f", str(self.conf)],
             "slurmd": [str(binary("slurmd")), "-D", "-N", self.node, "-f", str(self.conf)],

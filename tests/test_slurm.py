@@ -101,6 +101,31 @@ def test_a_job_gets_the_allowed_environment_never_the_controllers_secrets(slurm,
     assert (tmp_path / "out" / "slurm.log").exists()  # it ran as a Slurm job (whose own variables stay out)
 
 
+@slow
+@pytest.mark.timeout(180)
+def test_each_job_sees_the_gpus_slurm_gave_it(tmp_path, monkeypatch):
+    """A partition with two (fake) GPUs: one GPU per run by default, a slot per GPU, and each of two jobs at once
+    sees its own CUDA_VISIBLE_DEVICES as Slurm set it (the controller's own value never travels)."""
+    from slurm_cluster import SlurmCluster, slurm_problem
+
+    from orchestrator.executors.slurm import SlurmExecutor
+
+    if problem := slurm_problem():
+        pytest.skip(problem)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")
+    with SlurmCluster(tmp_path / "gc", cpus=2, gpus=2) as cluster:
+        for key, value in cluster.env.items():
+            if key.startswith("SLURM"):
+                monkeypatch.setenv(key, value)
+        ex = SlurmExecutor(workdir=tmp_path / "shared")
+        try:
+            assert ex.gpus == 1 and ex.cpus is None and len(ex.slots) == 2
+            seen = contract.check_own_gpus(ex, contract.code_repo(tmp_path / "code"), tmp_path / "gpus")
+        finally:
+            ex.close()
+    assert sorted(seen) == ["'0'", "'1'"], seen
+
+
 def settings(repo: Path, tmp_path: Path, **extra) -> Settings:
     options = {"slurm_workdir": tmp_path / "shared", **extra.pop("executor_options", {})}
     return Settings(
@@ -222,7 +247,8 @@ def test_sigkill_of_the_controller_then_resume_cancels_its_jobs(slurm, fake_repo
 @slow
 @pytest.mark.timeout(600)
 def test_a_real_tiny_session_on_slurm_with_two_jobs_at_once_ctrl_c_and_resume(slurm, tiny_env, tmp_path):
-    """Done-when of issue #35: 6 rows, 2 jobs running at once, Ctrl-C leaves the queue empty, resume completes."""
+    """Done-when of issue #35: 6 rows, 2 jobs running at once, Ctrl-C leaves the queue empty, resume completes;
+    every run sandboxed on the node."""
     repo = tmp_path / "proj"
     make_repo(repo, {name: (ROOT / name).read_text() for name in ("train.py", "prepare.py", ".gitignore")})
     env = dict(
@@ -232,7 +258,8 @@ def test_a_real_tiny_session_on_slurm_with_two_jobs_at_once_ctrl_c_and_resume(sl
         PYTHONPATH=subprocess_env()["PYTHONPATH"],
         AUTOLOOP_PROGRESS_SECONDS="1e9",
     )
-    args = ("--workers", "2", "--profile", "tiny", "--budget", "5", "--max-experiments", "6")
+    # --sandbox on: each run confined by bubblewrap on the node, or the node's failure (then no row is written)
+    args = ("--workers", "2", "--profile", "tiny", "--budget", "5", "--max-experiments", "6", "--sandbox", "on")
     most = [0]
     stop = threading.Event()
 
