@@ -389,7 +389,7 @@ def console_line(record: Record, state: State) -> str:
     best = f"{state.best_bpb:.6f}" if state.best_bpb is not None else "-"
     mem = float(record.metrics.get("peak_vram_mb", 0.0) or 0.0) / 1024
     desc = record.description + (f"  [{record.reason}]" if record.reason else "")
-    if record.gate.note:
+    if record.gate.note and record.gate.note != record.reason:  # (a duplicate's note is its reason)
         desc += f"  [{record.gate.note}]"
     status = record.status.value if isinstance(record.status, Status) else record.status
     return f"{record.n:>4}  {record.commit[:7]:7}  {bpb:>9}  {best:>9}  {mem:>6.1f}  {status:7}  {desc}"

@@ -52,11 +52,14 @@ def test_an_llm_s_repeats_are_rows_at_no_cost_and_the_prompt_carries_the_journal
             pipeline=False,
             options={"llm_base_url": server.base_url, "llm_model": "fake-model"},
         )
-        run_loop(settings, echo=quiet)
+        lines: list[str] = []
+        run_loop(settings, echo=lines.append)
         prompts = server.prompts()
     rows = read_rows(repo / "results.tsv")
     assert [r.status for r in rows] == ["keep", "discard", "discard", "keep"] + ["discard"] * 4 + ["keep", "discard"]
     duplicates = {3: 2, 6: 5, 8: 5}
+    shown = [line for line in lines if "duplicate of #" in line]
+    assert len(shown) == 3 and all(line.count("duplicate of #") == 1 for line in shown), shown  # said once each
     paths = Paths(repo, "m")
     for n, earlier in duplicates.items():
         assert f"duplicate of #{earlier} (discard at " in rows[n - 1].description, rows[n - 1].description
