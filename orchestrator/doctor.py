@@ -46,7 +46,8 @@ SPARE_GB = 1.0  # headroom for git objects, compile caches and the status files
 GROWTH = 4  # the search may grow the model: warn without room for checkpoints this many times the default's
 VOCAB = 8192  # when prepare.py does not say (the largest of autoloop's profiles)
 ANSWER_TIMEOUT_S = 30.0
-SLURM_PROBE_S = 60.0  # how long doctor's test job may wait in the queue
+SLURM_PROBE_S = 120.0  # how long doctor's test job may take, queue included
+SLURM_FS_LAG_S = 60.0  # how long its file may take to show here once it has ended (NFS caches attributes)
 
 
 @dataclass
@@ -344,6 +345,7 @@ def check_slurm(options: dict, wait_s: float = SLURM_PROBE_S) -> Finding:
     """--executor slurm: the commands, the partition's nodes, and the shared path - a small job writes a file
     under --slurm-workdir that this machine must then see (cancelled, with a warning, if it waits in the queue
     longer than `wait_s`)."""
+    import shlex
     import uuid
 
     from .executors import slurm
@@ -352,50 +354,65 @@ def check_slurm(options: dict, wait_s: float = SLURM_PROBE_S) -> Finding:
         ex = slurm.SlurmExecutor.create(None, options)
     except (ValueError, slurm.SlurmError) as e:
         return Finding("slurm", FAIL, str(e), "see `autoloop run --help`, options --slurm-*")
-    cpus, gpus = slurm.partition_size(ex.partition)
-    where = f"partition {ex.partition}" if ex.partition else "the default partition"
-    text = (
-        f"{where}: {cpus} CPUs, {gpus} GPUs; {len(ex.slots)} runs at once, {ex.gpus} GPU(s) and "
-        f"{ex.cpus or 'the default'} CPU(s) each"
-    )
-    probe = ex.workdir / f".doctor-{uuid.uuid4().hex[:12]}"
-    args = ["sbatch", "--parsable", "--job-name=autoloop-doctor", "--time=1", "--ntasks=1", "--output=/dev/null"]
-    args += [f"--partition={ex.partition}"] if ex.partition else []
-    args += [f"--account={ex.account}"] if ex.account else []
-    args += [f"--qos={ex.qos}"] if ex.qos else []
-    args += [*ex.extra, f"--wrap=hostname > {probe}.tmp && mv {probe}.tmp {probe}"]  # whole when it appears
     try:
-        job = slurm.command(args).strip().split(";")[0]
-    except slurm.SlurmError as e:
-        return Finding("slurm", FAIL, f"{text}; a test job was refused: {e}", "check the partition, account and qos")
-    deadline = time.monotonic() + wait_s
-    state = ("PENDING", "", "")
-    while time.monotonic() < deadline and not probe.exists():
-        state = slurm.queue(["autoloop-doctor"]).get(job, ("GONE", "", ""))
-        if state[0] not in slurm.ACTIVE:
-            time.sleep(2.0)  # the shared file system's lag
-            break
-        time.sleep(0.5)
-    try:
-        if probe.exists():
-            return Finding("slurm", OK, f"{text}; a test job on {probe.read_text().strip()} wrote to {ex.workdir}")
-        if state[0] in slurm.ACTIVE:
-            slurm.cancel_jobs([job])
+        cpus, gpus = slurm.partition_size(ex.partition)
+        where = f"partition {ex.partition}" if ex.partition else "the default partition"
+        text = (
+            f"{where}: {cpus} CPUs, {gpus} GPUs; {len(ex.slots)} runs at once, {ex.gpus} GPU(s) and "
+            f"{ex.cpus or 'the default'} CPU(s) each"
+        )
+        probe = ex.workdir / f".doctor-{uuid.uuid4().hex[:12]}"
+        write = (
+            f"hostname > {shlex.quote(f'{probe}.tmp')} && mv {shlex.quote(f'{probe}.tmp')} {shlex.quote(str(probe))}"
+        )
+        args = ["sbatch", "--parsable", "--job-name=autoloop-doctor", "--time=1", "--ntasks=1", "--output=/dev/null"]
+        args += ["--export=" + (",".join(slurm.exported()) or "NONE")]  # as a run's: never the secrets
+        args += [f"--partition={ex.partition}"] if ex.partition else []
+        args += [f"--account={ex.account}"] if ex.account else []
+        args += [f"--qos={ex.qos}"] if ex.qos else []
+        args += [*ex.extra, f"--wrap={write}"]
+        try:
+            job = slurm.command(args).strip().split(";")[0]
+        except slurm.SlurmError as e:
+            return Finding(
+                "slurm", FAIL, f"{text}; a test job was refused: {e}", "check the partition, account and qos"
+            )
+        deadline = time.monotonic() + wait_s
+        state = ("PENDING", "", "")
+        ended: float | None = None
+        while time.monotonic() < deadline and not probe.exists():
+            if ended is None:
+                state = slurm.queue(["autoloop-doctor"]).get(job, ("GONE", "", ""))
+                if state[0] not in slurm.ACTIVE:
+                    ended = time.monotonic()
+            elif time.monotonic() - ended > SLURM_FS_LAG_S:  # ended, and its file never came: not shared
+                break
+            time.sleep(0.5)
+        try:
+            if probe.exists():
+                node = probe.read_text().strip()
+                return Finding("slurm", OK, f"{text}; a test job on {node} wrote to {ex.workdir}")
+            if ended is None:
+                slurm.cancel_jobs([job])
+                return Finding(
+                    "slurm",
+                    WARN,
+                    f"{text}; a test job waited in the queue over {wait_s:g}s ({state[1]}): the shared path is "
+                    "not checked",
+                    "run doctor again when the queue is shorter",
+                )
             return Finding(
                 "slurm",
-                WARN,
-                f"{text}; a test job waited in the queue over {wait_s:g}s ({state[1]}): the shared path is not checked",
-                "run doctor again when the queue is shorter",
+                FAIL,
+                f"{text}; a test job ended ({state[0]}) but its file is not under {ex.workdir} here",
+                "name a --slurm-workdir on a file system the compute nodes share with this machine",
             )
-        return Finding(
-            "slurm",
-            FAIL,
-            f"{text}; a test job ended ({state[0]}) but its file is not under {ex.workdir} here",
-            "name a --slurm-workdir on a file system the compute nodes share with this machine",
-        )
+        finally:
+            probe.unlink(missing_ok=True)
+            probe.with_name(probe.name + ".tmp").unlink(missing_ok=True)
+    except slurm.SlurmError as e:
+        return Finding("slurm", FAIL, f"the Slurm cluster cannot be read: {e}", "check that slurmctld is up (sinfo)")
     finally:
-        probe.unlink(missing_ok=True)
-        probe.with_name(probe.name + ".tmp").unlink(missing_ok=True)
         ex.close()
 
 

@@ -6,6 +6,7 @@ and resume."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -124,6 +125,91 @@ def test_each_job_sees_the_gpus_slurm_gave_it(tmp_path, monkeypatch):
         finally:
             ex.close()
     assert sorted(seen) == ["'0'", "'1'"], seen
+
+
+# Attacks from the experiment's side: the run (train.py) is not trusted, sandboxed or not (the suite's runs are
+# not: the defences below must hold without it).
+
+ATTACK = """
+import json, os, sys, time
+out = os.environ["AUTOLOOP_OUT"]
+job = os.path.dirname(out)
+print("spec on disk:", os.path.exists(os.path.join(job, "spec.json")), flush=True)
+os.symlink("/proc/self/environ", os.path.join(out, "stolen"))   # the controller's environment, if it follows
+os.symlink("/proc/self/mem", os.path.join(out, "crash"))        # a read error, if it follows
+forged = {"steps": [[0, False, 1.0, "step0.log"]], "modified": [], "ages": {}, "device": "forged", "node": "x",
+          "interrupted": False, "stopped": "", "audited": "", "files": {}}
+with open(os.path.join(job, "result.json"), "w") as f:         # a result before the job has ended
+    json.dump(forged, f)
+time.sleep(4)
+sys.exit(3)
+"""
+
+
+@slow
+@pytest.mark.timeout(120)
+def test_a_run_cannot_forge_its_result_read_the_spec_or_plant_links_for_the_controller(slurm, tmp_path, monkeypatch):
+    from orchestrator.executors.slurm import SlurmExecutor
+
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_value_123")
+    repo = contract.make_git_repo(tmp_path / "code", {"attack.py": ATTACK})
+    ex = SlurmExecutor(workdir=tmp_path / "shared")
+    try:
+        result = ex.submit(contract.job(repo, tmp_path / "out", [["{python}", "attack.py"]]), ex.slots[0]).result(60)
+    finally:
+        ex.close()
+    assert [s.exit_code for s in result.steps] == [3] and result.device != "forged", result  # the node's result
+    assert "spec on disk: False" in (tmp_path / "out" / "step0.log").read_text()  # (the nonce is in it)
+    assert not (tmp_path / "out" / "stolen").exists() and not (tmp_path / "out" / "crash").exists()
+    assert not any("hf_secret_value_123" in p.read_text(errors="replace") for p in (tmp_path / "out").iterdir())
+
+
+@slow
+@pytest.mark.timeout(120)
+def test_a_node_that_cannot_sandbox_fails_the_job_instead_of_running_it_bare(slurm, tmp_path):
+    """The controller could sandbox (--sandbox auto), the node cannot (no bubblewrap on its PATH): the executor's
+    failure, never an unconfined run."""
+    from orchestrator.executors.slurm import SlurmExecutor
+
+    bare = tmp_path / "bare-python"
+    bare.write_text(f'#!/bin/sh\nPATH=/nonexistent exec {sys.executable} "$@"\n')
+    bare.chmod(0o755)
+    repo = contract.code_repo(tmp_path / "code")
+    ex = SlurmExecutor(workdir=tmp_path / "shared", python=str(bare))
+    job = contract.job(repo, tmp_path / "out", [["{python}", "show.py"]])
+    job.sandbox = {"net": False, "required": False}  # what --sandbox auto gives where the controller can
+    try:
+        result = ex.submit(job, ex.slots[0]).result(timeout=60)
+    finally:
+        ex.close()
+    assert not result.steps and "the sandbox is required" in result.infra_error, result
+    assert "bubblewrap is not installed" in result.infra_error
+
+
+@slow
+@pytest.mark.timeout(120)
+def test_a_queue_that_stops_answering_is_the_executors_failure_and_is_not_flooded(slurm, tmp_path, monkeypatch):
+    from orchestrator.executors import slurm as executor
+
+    repo = contract.code_repo(tmp_path / "code")
+    ex = executor.SlurmExecutor(workdir=tmp_path / "shared")
+    handle = ex.submit(contract.job(repo, tmp_path / "out", [["{python}", "hang.py"]], timeout=300), ex.slots[0])
+    calls = tmp_path / "calls"
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "squeue").write_text(f"#!/bin/sh\necho x >> {calls}\necho 'squeue: error: Unable to contact' >&2\nexit 1\n")
+    (fake / "squeue").chmod(0o755)
+    path = os.environ["PATH"]
+    monkeypatch.setenv("PATH", f"{fake}:{path}")
+    monkeypatch.setattr(executor, "QUEUE_DOWN_S", 4.0)
+    try:
+        assert handle.wait(30)
+        result = handle.result(timeout=0)
+    finally:
+        monkeypatch.setenv("PATH", path)  # the queue answers again: close() cancels the job it lost sight of
+        ex.close()
+    assert "Slurm's queue has not answered for" in result.infra_error and "Unable to contact" in result.infra_error
+    assert len(calls.read_text().splitlines()) <= 8  # about one a second, not a busy loop
 
 
 def settings(repo: Path, tmp_path: Path, **extra) -> Settings:
@@ -325,9 +411,26 @@ def test_slurm_without_a_shared_directory_or_a_cluster_says_what_to_do(tmp_path,
 def test_doctor_checks_the_partition_and_the_shared_path_with_a_test_job(slurm, tmp_path):
     from orchestrator.doctor import check_slurm
 
-    found = check_slurm({"slurm_workdir": tmp_path / "shared", "slurm_partition": slurm.partition})
+    shared = tmp_path / "shared dir"  # (a space: the test job's command quotes it)
+    found = check_slurm({"slurm_workdir": shared, "slurm_partition": slurm.partition})
     assert found.status == "ok" and f"partition {slurm.partition}: {slurm.cpus} CPUs, 0 GPUs" in found.detail, found
-    assert f"a test job on {slurm.node} wrote to {tmp_path / 'shared'}" in found.detail, found
+    assert f"a test job on {slurm.node} wrote to {shared}" in found.detail, found
     missing = check_slurm({"slurm_partition": "nope", "slurm_workdir": tmp_path / "shared"})
     assert missing.status == "FAIL" and "nope" in missing.detail, missing
-    assert not list((tmp_path / "shared").glob(".doctor-*"))
+    assert not list(shared.glob(".doctor-*"))
+
+
+def test_outputs_are_read_as_regular_files_never_through_a_link(tmp_path):
+    """The controller copies what a run left (remote.py): a link to another file of the machine (its secrets in
+    /proc/self/environ, a device) is neither listed nor opened."""
+    from orchestrator.executors.remote import copy_regular, read_regular, regular_files
+
+    (tmp_path / "model.pt").write_bytes(b"weights")
+    (tmp_path / "stolen").symlink_to("/proc/self/environ")
+    (tmp_path / "folder").mkdir()
+    assert regular_files(tmp_path) == {"model.pt": 7}
+    assert read_regular(tmp_path / "stolen") is None and read_regular(tmp_path / "model.pt") == b"weights"
+    assert not copy_regular(tmp_path / "stolen", tmp_path / "copy") and not (tmp_path / "copy").exists()
+    assert (
+        copy_regular(tmp_path / "model.pt", tmp_path / "copy", limit=3) and (tmp_path / "copy").read_bytes() == b"wei"
+    )

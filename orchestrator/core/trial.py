@@ -165,6 +165,7 @@ def build_job(ws: Workspace, workdir: Path, run_dir: Path) -> Job:
         sandbox=ws.sandbox,
         read_only=("prepare.py",),  # the harness's code: the evaluation may start while train.py still runs
         local_only=local_only,
+        pass_env=tuple(ws.settings.pass_env),
         step_hidden=[evaluation_data(ws.harness_info.manifest) + corpus_source(ws)],
     )  # what it is scored on
 

@@ -48,6 +48,7 @@ class Job:
     step_stdin: list[str | None] = field(default_factory=list)  # per step: what it reads on stdin (None: nothing)
     sandbox: dict | None = None  # {"net": bool, "required": bool}: steps confined by bubblewrap (confine.py)
     local_only: tuple[str, ...] = ()  # env values true of this machine only (another node resolves its own)
+    pass_env: tuple[str, ...] = ()  # --pass-env: names of env that travel to another machine too (remote.py)
     # Per step: a line the step before prints after which this one may start (sandboxed only, where the two
     # cannot reach each other): it gets ready (imports, data) and waits for its stdin, which it gets once the
     # step before has ended and passed its checks. The evaluation's start-up then overlaps the model's export.
@@ -196,7 +197,8 @@ def run_steps(
                 return JobResult(
                     device=gpu_name(env.get("CUDA_VISIBLE_DEVICES")),
                     node=socket.gethostname(),
-                    infra_error=f"--sandbox on, but {problem} on {socket.gethostname()}",
+                    infra_error=f"the sandbox is required (--sandbox on; on another machine, auto too), but "
+                    f"{problem} on {socket.gethostname()}: install it there, or run unconfined with --sandbox off",
                 )
         else:  # only the run's own directory, its worktree and the session's compile cache are writable
             writable = {out.resolve(), Path(workdir).resolve(), *(p.resolve() for p in scratch)}

@@ -25,7 +25,16 @@ import click
 
 from ..plugins import FiniteRange
 from .base import Executor, Handle, Job, JobResult, Slot
-from .remote import job_result, job_spec, run_spec, shipped_env, tracked_files, write_files
+from .remote import (
+    job_result,
+    job_spec,
+    read_regular,
+    regular_files,
+    run_spec,
+    shipped_env,
+    tracked_files,
+    write_files,
+)
 
 CANCEL_GRACE_S = 10.0
 SCHEDULE_TIMEOUT_S = 600.0  # a task not started by then is cancelled and comes back as an infra_error
@@ -67,7 +76,7 @@ def _node_job(spec: dict, files: dict[str, bytes], inputs: dict[str, bytes], sta
         write_files(src, files)
         write_files(out, inputs)
         data = run_spec(spec, src, out)
-        data["outputs"] = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+        data["outputs"] = {name: blob for name in regular_files(out) if (blob := read_regular(out / name)) is not None}
         return data
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -10,7 +10,9 @@ steps with the same runner as the local executor (hard timeout, whole tree kille
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import stat
 import sys
 import threading
 from pathlib import Path
@@ -24,11 +26,13 @@ PREPARE_TIMEOUT_S = 3600.0
 
 
 def shipped_env(job: Job, slot: Slot) -> dict[str, str]:
-    """The part of the job's environment that travels to the node: AUTOLOOP_* and SHIPPED_ENV (never the
-    controller's secrets), the run's own TMPDIR and kernel caches (in its directory on the node; HOME stays the
-    node's), the slot's variables except the GPUs, which the node's scheduler gives."""
+    """The part of the job's environment that travels to the node: AUTOLOOP_*, SHIPPED_ENV and the --pass-env
+    names (never the controller's other secrets), the run's own TMPDIR and kernel caches (in its directory on the
+    node; HOME stays the node's), the slot's variables except the GPUs, which the node's scheduler gives."""
     env = {
-        k: v for k, v in job.env.items() if (k.startswith("AUTOLOOP_") or k in SHIPPED_ENV) and k not in job.local_only
+        k: v
+        for k, v in job.env.items()
+        if (k.startswith("AUTOLOOP_") or k in SHIPPED_ENV or k in job.pass_env) and k not in job.local_only
     }
     scratch = [k for k, v in job.env.items() if k in SCRATCH_DIRS and k != "HOME" and OUT in v]
     env.update({k: job.env[k].replace("/../../cache/", "/cache/") for k in scratch})
@@ -62,6 +66,67 @@ def tracked_files(workdir: Path) -> dict[str, bytes]:
 
     names = gitops.Repo(workdir).git.ls_files("-z").split("\0")
     return {name: (workdir / name).read_bytes() for name in names if name and (workdir / name).is_file()}
+
+
+def open_regular(path: Path):
+    """`path` opened for reading if it is a regular file, never through a link (a run may leave a link to any
+    file of the machine that reads it, /proc/self/environ included); None for anything else."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    f = os.fdopen(fd, "rb")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        f.close()
+        return None
+    return f
+
+
+def read_regular(path: Path, limit: int = -1) -> bytes | None:
+    """The bytes (at most `limit`) of a regular file, never through a link; None for anything else."""
+    f = open_regular(path)
+    if f is None:
+        return None
+    with f:
+        try:
+            return f.read(limit)
+        except OSError:
+            return None
+
+
+def regular_files(folder: Path) -> dict[str, int]:
+    """name -> size of the regular files directly in `folder` (links and everything else left out)."""
+    out = {}
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return {}
+    for entry in entries:
+        try:
+            if entry.is_file(follow_symlinks=False):
+                out[entry.name] = entry.stat(follow_symlinks=False).st_size
+        except OSError:
+            pass
+    return out
+
+
+def copy_regular(src: Path, dest: Path, limit: int | None = None) -> bool:
+    """Copy a regular file (never through a link; at most `limit` bytes) to `dest`, replacing what is there;
+    False where src is not a regular file or cannot be read."""
+    f = open_regular(src)
+    if f is None:
+        return False
+    with f:
+        try:
+            dest.unlink(missing_ok=True)
+            with open(dest, "xb") as out:
+                if limit is None:
+                    shutil.copyfileobj(f, out)
+                else:
+                    out.write(f.read(limit))
+        except OSError:
+            return False
+    return True
 
 
 def write_files(root: Path, files: dict[str, bytes]) -> None:
@@ -98,7 +163,7 @@ def run_spec(spec: dict, src: Path, out: Path, cancel: threading.Event | None = 
     (`infra_error` where the node could not run it)."""
     env = {**allowed_env(), **spec["env"], "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "")}
     if spec["prepare"] and (src / "prepare.py").exists() and (error := prepare_data(src, out, env)):
-        return {"infra_error": error}
+        return {"infra_error": error, "files": regular_files(out)}
     # what the training step may not read: the controller's list (valid where the node's paths are the same) and
     # the validation data of every prepared manifest in this node's cache
     cache = Path(env.get("AUTOLOOP_CACHE") or "~/.cache/autoloop").expanduser()
@@ -133,6 +198,7 @@ def run_spec(spec: dict, src: Path, out: Path, cancel: threading.Event | None = 
         "audited": result.audited,
         "visible": env["CUDA_VISIBLE_DEVICES"],
         "infra_error": result.infra_error,
+        "files": regular_files(out),  # what the controller must see before it reads the outputs
     }
 
 

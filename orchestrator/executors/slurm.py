@@ -51,12 +51,26 @@ from ..plugins import FiniteRange
 from ..trust.confine import allowed_env
 from ..trust.summary import last_error_line, read_tail
 from .base import Executor, Handle, Job, JobResult, Slot
-from .remote import job_result, job_spec, run_spec, shipped_env, tracked_files, write_files
+from .remote import (
+    copy_regular,
+    job_result,
+    job_spec,
+    read_regular,
+    regular_files,
+    run_spec,
+    shipped_env,
+    tracked_files,
+    write_files,
+)
 
 QUEUE_TIMEOUT_S = 3600.0  # a job still waiting in the queue then is cancelled and run again (an infra error)
-TIME_MARGIN_S = 600.0  # the job's time limit beyond its steps' hard timeouts (start-up, the data check)
-RESULT_GRACE_S = 15.0  # a job out of the queue without result.json yet: the shared file system may lag
+TIME_MARGIN_S = 1800.0  # the job's time limit beyond its steps' hard timeouts (start-up, the data check or
+# a first preparation of it on the node, the wait for another job's)
+RESULT_GRACE_S = 90.0  # a job out of the queue without its result visible yet: NFS caches attributes for 60 s
 CANCEL_WAIT_S = 60.0
+QUEUE_DOWN_S = 600.0  # squeue failing this long: the jobs in flight come back as the executor's failures
+RESULT_CAP = 1 << 20  # bytes of a result.json read at most
+SLURM_LOG_CAP = 1 << 20  # bytes of a job's slurm.out copied back at most
 POLL_S = 1.0  # one squeue for all jobs in flight at most this often
 COMMAND_TIMEOUT_S = 60.0
 ENDED = {  # squeue states after which a job never runs again
@@ -179,49 +193,76 @@ def ship_package(workdir: Path) -> Path:
 
 
 class SlurmHandle(Handle):
+    """A submitted job. It is done once the queue says it has ended (its processes are gone: whatever the run
+    left in the job directory is final, a result.json it forged included, which the node's own replaced) and its
+    result and every file the result lists are visible here (a shared file system may lag), or when it failed."""
+
     def __init__(self, executor: SlurmExecutor, job_id: str, name: str, jobdir: Path, job: Job, slot: Slot):
         self._ex, self.job_id, self.name, self.jobdir, self._job, self._slot = executor, job_id, name, jobdir, job, slot
         self.submitted = time.monotonic()
-        self._ended: float | None = None  # when the queue first said it ended (or lost it) without a result
+        self._ended: float | None = None  # when the queue first said it ended (or lost it)
         self._cancelled = False
         self._result: JobResult | None = None
-        self._why = ""
+        self._data: dict | None = None  # the node's result.json, once it and its files are visible
+        self._why = ""  # why the job failed (the executor's failure)
 
     def done(self) -> bool:
-        if self._result is not None or (self.jobdir / "result.json").exists():
+        if self._result is not None or self._why:
             return True
         state = self._ex.state(self)
-        if state is None:  # the queue could not answer: ask again later
-            return False
         now = time.monotonic()
+        if state is None:  # the queue cannot answer: ask again, for a while
+            down = self._ex.queue_down_s()
+            if down > QUEUE_DOWN_S:
+                self._why = (
+                    f"Slurm's queue has not answered for {down:.0f}s ({self._ex.queue_error}); is slurmctld up? "
+                    f"Slurm job {self.job_id} may still be in the queue"
+                )
+                return True
+            return False
         status, reason, node = state
         if status in ACTIVE:
             timeout = self._ex.queue_timeout
             if status == "PENDING" and timeout and now - self.submitted > timeout and not self._cancelled:
                 cancel_jobs([self.job_id])
-                self._fail(
+                self._why = (
                     f"Slurm job {self.job_id} waited in the queue over {timeout:g}s ({reason}; "
                     "--slurm-queue-timeout): cancelled"
                 )
                 return True
             return False
+        if self._cancelled:
+            return True
         if self._ended is None:
             self._ended = now
-        if (self.jobdir / "result.json").exists():
+        if self._visible():
             return True
-        if self._cancelled or now - self._ended >= RESULT_GRACE_S:
+        if now - self._ended >= RESULT_GRACE_S:
             where = f" on {node}" if node and node != "(null)" else ""
             gone = "left the queue" if status == "GONE" else f"ended {status}"
             gone += f" ({reason})" if reason not in ("", "None", "(null)") else ""
-            self._fail(
+            self._why = (
                 f"Slurm job {self.job_id} {gone}{where} without a result (cancelled from outside, preempted, "
                 "its node failed or it ran past its time limit)"
             )
             return True
         return False
 
-    def _fail(self, why: str) -> None:
-        self._why = why
+    def _visible(self) -> bool:
+        """The node's result.json, and every output it lists at its size, can be read here."""
+        raw = read_regular(self.jobdir / "result.json", RESULT_CAP)
+        try:
+            data = json.loads(raw) if raw else None
+        except ValueError:
+            return False
+        if not isinstance(data, dict):
+            return False
+        files = data.get("files") or {}
+        seen = regular_files(self.jobdir / "out")
+        if any(seen.get(name) != size for name, size in files.items()):
+            return False
+        self._data = data
+        return True
 
     def result(self, timeout: float | None = None) -> JobResult:
         if timeout is None:
@@ -235,50 +276,44 @@ class SlurmHandle(Handle):
         return self._result
 
     def _collect(self) -> JobResult:
+        """The run's logs and outputs copied into its directory here (regular files only, never through a link
+        the run left), the job directory removed; the result."""
         out = self._job.out_dir
         out.mkdir(parents=True, exist_ok=True)
+        data = self._data
         node_out = self.jobdir / "out"
-        for path in node_out.iterdir() if node_out.is_dir() else ():
-            if path.is_file():
-                shutil.copy2(path, out / path.name)
-        data = None
-        try:
-            data = json.loads((self.jobdir / "result.json").read_text())
-        except (OSError, ValueError):
-            pass
+        for name in data.get("files") or {} if data else regular_files(node_out):
+            copy_regular(node_out / name, out / name)
         log = self.jobdir / "slurm.out"
-        tail = last_error_line(read_tail(log)) if log.exists() else ""
-        if log.exists():
-            shutil.copy2(log, out / "slurm.log")
+        tail = last_error_line(read_tail(log)) if regular_files(self.jobdir).get("slurm.out") else ""
+        copy_regular(log, out / "slurm.log", limit=SLURM_LOG_CAP)
+        node = str((data or {}).get("node", ""))
         try:
             if self._cancelled:
-                return JobResult(interrupted=True, slot=self._slot.index, node=(data or {}).get("node", ""))
+                return JobResult(interrupted=True, slot=self._slot.index, node=node)
             if data is None:
                 why = self._why or f"Slurm job {self.job_id} ended without a result"
                 return JobResult(infra_error=why + (f": {tail}" if tail else ""), slot=self._slot.index)
             if data.get("interrupted"):  # stopped by a signal it was not sent by us: preempted, scancel by hand
                 return JobResult(
-                    infra_error=f"Slurm job {self.job_id} was stopped from outside on {data.get('node', '?')} "
+                    infra_error=f"Slurm job {self.job_id} was stopped from outside on {node or '?'} "
                     "(preempted, cancelled or past its time limit)",
                     slot=self._slot.index,
-                    node=data.get("node", ""),
+                    node=node,
                 )
             return job_result(data, out, self._slot)
+        except (KeyError, TypeError, ValueError) as e:  # a result.json that is not the node's
+            why = f"Slurm job {self.job_id} left an unreadable result ({e})"
+            return JobResult(infra_error=why, slot=self._slot.index)
         finally:
             shutil.rmtree(self.jobdir, ignore_errors=True)
 
     def cancel(self) -> None:
-        """scancel, then wait (a while) for the job to leave the running states."""
+        """scancel; the job is done once the queue says it has left the running states (wait, or result())."""
         if self._result is not None or self._cancelled:
             return
         self._cancelled = True
         cancel_jobs([self.job_id])
-        deadline = time.monotonic() + CANCEL_WAIT_S
-        while time.monotonic() < deadline:
-            state = self._ex.state(self, fresh=True)
-            if state is not None and state[0] not in ACTIVE:
-                break
-            time.sleep(0.5)
 
 
 class SlurmExecutor(Executor):
@@ -368,7 +403,7 @@ class SlurmExecutor(Executor):
             raise ValueError(
                 f"SLURM_CONF names {conf}, which does not exist: unset it or name the cluster's slurm.conf"
             )
-        self.workdir = Path(workdir).expanduser().resolve()
+        self.workdir = Path(os.path.abspath(Path(workdir).expanduser()))  # (links resolved by each node)
         try:
             (self.workdir / "jobs").mkdir(parents=True, exist_ok=True)
             probe = self.workdir / f".write-{uuid.uuid4().hex}"
@@ -403,6 +438,8 @@ class SlurmExecutor(Executor):
         self._lock = threading.Lock()
         self._queue: dict[str, tuple[str, str, str]] = {}
         self._read = 0.0
+        self._failing_since: float | None = None  # since when squeue has failed, without a break
+        self.queue_error = ""
 
     @property
     def slots(self) -> list[Slot]:
@@ -418,7 +455,11 @@ class SlurmExecutor(Executor):
             return
         self._swept.add(name)
         mine = set(self._handles)
-        left = [i for i, (state, _, _) in queue([name]).items() if state in ACTIVE and i not in mine]
+        try:
+            left = [i for i, (state, _, _) in queue([name]).items() if state in ACTIVE and i not in mine]
+        except SlurmError:  # the queue cannot answer now: the job's own submission will say so, or pass
+            self._swept.discard(name)
+            return
         cancel_jobs(left)
         for old in (self.workdir / "jobs").glob(f"{name}-*"):
             if old.name.split("-")[-1] not in {h.jobdir.name.split("-")[-1] for h in self._handles.values()}:
@@ -435,6 +476,8 @@ class SlurmExecutor(Executor):
         for dest, src in job.inputs.items():
             shutil.copy2(src, jobdir / "out" / dest)
         spec = job_spec(job, shipped_env(job, slot), self.prepare)
+        if spec["sandbox"] is not None:  # a node that cannot confine the run fails the job rather than run it bare
+            spec["sandbox"] = {**spec["sandbox"], "required": True}  # (the controller could, so auto meant "on")
         (jobdir / "spec.json").write_text(json.dumps(spec))
         script = jobdir / "job.sh"
         script.write_text(
@@ -459,7 +502,9 @@ class SlurmExecutor(Executor):
         args += [f"--gres=gpu:{self.gpus}"] if self.gpus else []
         args += [f"--cpus-per-task={self.cpus}"] if self.cpus else []
         args += [f"--mem={self.mem}"] if self.mem else []
-        args += [*self.extra, str(script)]
+        # last, over any --requeue of the extra arguments: a requeued job would run again after its result was
+        # taken, an orphan
+        args += [*self.extra, "--no-requeue", str(script)]
         try:
             job_id = command(args).strip().split(";")[0]
         except SlurmError as e:
@@ -472,17 +517,27 @@ class SlurmExecutor(Executor):
             self._handles[job_id] = handle
         return handle
 
-    def state(self, handle: SlurmHandle, fresh: bool = False) -> tuple[str, str, str] | None:
-        """The handle's job as the queue says (one squeue for all jobs in flight, at most every POLL_S);
-        ("GONE", "", "") once the queue no longer holds it, None when the queue cannot be read."""
+    def state(self, handle: SlurmHandle) -> tuple[str, str, str] | None:
+        """The handle's job as the queue says (one squeue for all jobs in flight, at most every POLL_S, failed
+        or not); ("GONE", "", "") once the queue no longer holds it, None while the queue cannot be read."""
         with self._lock:
-            if fresh or handle.submitted >= self._read or time.monotonic() - self._read >= POLL_S:
+            if handle.submitted >= self._read or time.monotonic() - self._read >= POLL_S:
+                self._read = time.monotonic()
                 try:
                     self._queue = queue([h.name for h in self._handles.values()] or [handle.name])
-                except SlurmError:
-                    return None
-                self._read = time.monotonic()
+                    self._failing_since, self.queue_error = None, ""
+                except SlurmError as e:
+                    self._queue, self.queue_error = {}, str(e)
+                    if self._failing_since is None:
+                        self._failing_since = self._read
+            if self._failing_since is not None:
+                return None
             return self._queue.get(handle.job_id, ("GONE", "", ""))
+
+    def queue_down_s(self) -> float:
+        """Seconds the queue has failed to answer without a break (0 while it answers)."""
+        since = self._failing_since
+        return 0.0 if since is None else time.monotonic() - since
 
     def finished(self, handle: SlurmHandle) -> None:
         with self._lock:
@@ -494,20 +549,24 @@ class SlurmExecutor(Executor):
         with self._lock:
             left = list(self._handles.values())
         for handle in left:
-            handle.cancel()
-            try:
-                handle.result(timeout=0)
-            except TimeoutError:
-                pass
+            handle._cancelled = handle._cancelled or handle._result is None
+        if left:
+            cancel_jobs([h.job_id for h in left])  # all at once
         deadline = time.monotonic() + CANCEL_WAIT_S
         while self._submitted and time.monotonic() < deadline:
             try:
                 states = queue(sorted(self._names))
             except SlurmError:
-                return
-            if not any(states.get(i, ("GONE",))[0] in ACTIVE for i in self._submitted):
-                return
+                break
+            active = [i for i in self._submitted if states.get(i, ("GONE",))[0] in ACTIVE]
+            if not active:
+                break
+            cancel_jobs([i for i in active if i not in {h.job_id for h in left}])  # (one not ours to wait for)
             time.sleep(0.25)
+        for handle in left:  # their directories removed, their results (interrupted) taken
+            if handle._result is None:
+                handle._why = handle._why or "cancelled"
+                handle.result(timeout=0)
 
 
 class Failed(Handle):
@@ -537,6 +596,7 @@ def node_main(argv: list[str]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
         signal.signal(sig, lambda *_: stop.set())
     spec = json.loads((jobdir / "spec.json").read_text())
+    (jobdir / "spec.json").unlink()  # the run's nonce is in it: never on disk while an (unconfined) step runs
     data = run_spec(spec, jobdir / "src", jobdir / "out", stop)
     data.setdefault("node", os.uname().nodename)
     if stop.is_set():
