@@ -49,6 +49,9 @@ class Job:
     sandbox: dict | None = None  # {"net": bool, "required": bool}: steps confined by bubblewrap (confine.py)
     local_only: tuple[str, ...] = ()  # env values true of this machine only (another node resolves its own)
     pass_env: tuple[str, ...] = ()  # --pass-env: names of env that travel to another machine too (remote.py)
+    # sandboxed: every GPU's device node, not only CUDA_VISIBLE_DEVICES' (a Slurm job's numbers its GPUs from 0
+    # where the cluster constrains devices by cgroup, which then guards the others itself)
+    every_gpu: bool = False
     # Per step: a line the step before prints after which this one may start (sandboxed only, where the two
     # cannot reach each other): it gets ready (imports, data) and waits for its stdin, which it gets once the
     # step before has ended and passed its checks. The evaluation's start-up then overlaps the model's export.
@@ -228,7 +231,7 @@ def run_steps(
                 **confined,
                 hidden=substitute_all(hidden, out),
                 readable=[*readable_paths(step_env), *substitute_all(job.readable, out)],
-                devices=gpu_devices(step_env.get("CUDA_VISIBLE_DEVICES")),
+                devices=gpu_devices(None if job.every_gpu else step_env.get("CUDA_VISIBLE_DEVICES")),
             )
         return run_command(
             argv,

@@ -185,6 +185,7 @@ def run_spec(spec: dict, src: Path, out: Path, cancel: threading.Event | None = 
         step_start_after=spec.get("step_start_after") or [],
         read_only=tuple(spec.get("read_only") or ()),
         stop_rule=spec.get("stop_rule"),
+        every_gpu=bool(os.environ.get("SLURM_JOB_GPUS")),  # (see Job.every_gpu)
     )
     result = run_steps(job, src, out, {}, cancel)
     return {
