@@ -126,6 +126,23 @@ class Handle:
         raise NotImplementedError
 
 
+class Ended(Handle):
+    """A job that has ended by the time submit() returns (run in the caller's thread, or refused before it
+    started): done, with its result; nothing left to cancel."""
+
+    def __init__(self, result: JobResult):
+        self._result = result
+
+    def done(self) -> bool:
+        return True
+
+    def result(self, timeout: float | None = None) -> JobResult:
+        return self._result
+
+    def cancel(self) -> None:
+        pass
+
+
 class Executor:
     """Runs jobs on its slots. Registered in the entry-point group `autoloop.executors` (orchestrator/plugins.py);
     `options` are the click.Option objects `autoloop run` offers for it, handed to `create` by name."""

@@ -4,21 +4,7 @@ step through a run in a debugger (`autoloop run --executor inline`)."""
 
 from __future__ import annotations
 
-from .base import Executor, Handle, Job, JobResult, Slot, run_steps
-
-
-class InlineHandle(Handle):
-    def __init__(self, result: JobResult):
-        self._result = result
-
-    def done(self) -> bool:
-        return True
-
-    def result(self, timeout: float | None = None) -> JobResult:
-        return self._result
-
-    def cancel(self) -> None:
-        pass  # nothing is left running: submit() returned only once the job had ended (Ctrl-C kills its tree)
+from .base import Ended, Executor, Handle, Job, Slot, run_steps
 
 
 class InlineExecutor(Executor):
@@ -33,4 +19,4 @@ class InlineExecutor(Executor):
     def submit(self, job: Job, slot: Slot) -> Handle:
         result = run_steps(job, job.workdir, job.out_dir, slot.env)
         result.slot = slot.index
-        return InlineHandle(result)
+        return Ended(result)  # (Ctrl-C during run_steps kills its tree: nothing is left to cancel)

@@ -50,7 +50,7 @@ from .. import __version__
 from ..plugins import FiniteRange
 from ..trust.confine import allowed_env
 from ..trust.summary import last_error_line, read_tail
-from .base import Executor, Handle, Job, JobResult, Slot
+from .base import Ended, Executor, Handle, Job, JobResult, Slot
 from .remote import (
     copy_regular,
     job_result,
@@ -509,7 +509,7 @@ class SlurmExecutor(Executor):
             job_id = command(args).strip().split(";")[0]
         except SlurmError as e:
             shutil.rmtree(jobdir, ignore_errors=True)
-            return Failed(JobResult(infra_error=f"sbatch refused the job: {e}", slot=slot.index))
+            return Ended(JobResult(infra_error=f"sbatch refused the job: {e}", slot=slot.index))
         handle = SlurmHandle(self, job_id, name, jobdir, job, slot)
         self._submitted.add(job_id)
         self._names.add(name)
@@ -567,22 +567,6 @@ class SlurmExecutor(Executor):
             if handle._result is None:
                 handle._why = handle._why or "cancelled"
                 handle.result(timeout=0)
-
-
-class Failed(Handle):
-    """A job that never reached the queue (sbatch refused it): done, with its infra error."""
-
-    def __init__(self, result: JobResult):
-        self._result = result
-
-    def done(self) -> bool:
-        return True
-
-    def result(self, timeout: float | None = None) -> JobResult:
-        return self._result
-
-    def cancel(self) -> None:
-        pass
 
 
 def node_main(argv: list[str]) -> int:
