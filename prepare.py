@@ -4,7 +4,8 @@ prepare.py -- the FIXED harness of autoloop. Never edited by the loop.
 Owns everything that makes one experiment comparable to the next: the constants (sequence length,
 vocabulary, evaluation size, time budget, seed), the data, the tokenizer, the dataloader and the metric
 (`evaluate_bpb`). train.py imports from here; the autoloop controller checks this file's hash, and the
-hashes of the prepared files, against a manifest before every run.
+hashes of the prepared files, against a manifest before every run. Under the controller the number that counts
+is computed by evaluate.py (fixed too), from the model evaluate_bpb exports, in a process of its own.
 
 Usage:
     python prepare.py                          # offline default: Python's standard library sources
@@ -17,16 +18,6 @@ Environment (set by the controller): AUTOLOOP_TIME_BUDGET, AUTOLOOP_SEED, AUTOLO
 AUTOLOOP_DATASET, AUTOLOOP_PROFILE.
 """
 
-import os
-import sys
-
-if __name__ == "__main__" and "--evaluate" in sys.argv and sys.platform.startswith("linux") \
-        and "GLIBC_TUNABLES" not in os.environ:
-    # As in train.py: keep freed tensor memory in the heap instead of a fresh mmap (and page faults) for every
-    # large activation, measured ~1.7x faster evaluation on a 2-core CPU. Re-exec so the allocator sees it.
-    os.environ["GLIBC_TUNABLES"] = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4294967295"
-    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
-
 import argparse
 import bisect
 import glob
@@ -35,8 +26,9 @@ import http.client
 import itertools
 import json
 import math
+import os
 import pickle
-import re
+import sys
 import sysconfig
 import threading
 import time
@@ -67,6 +59,7 @@ PROFILES = {
 }
 MIN_EVAL_TOKENS = 2**15  # below this an evaluation is too noisy to decide anything (tokens)
 EVAL_LOGITS_BYTES = 2**30  # fp32 logits per evaluation forward at most: bounds the evaluation's memory
+EVAL_MAX_ROWS = 32  # rows per forward of the harness's evaluation (evaluate.py), at most
 
 
 def _default_profile():
@@ -80,6 +73,9 @@ if PROFILE not in PROFILES:
     sys.exit(f"prepare.py: unknown AUTOLOOP_PROFILE={PROFILE!r}; choose one of {', '.join(PROFILES)}")
 MAX_SEQ_LEN = PROFILES[PROFILE]["MAX_SEQ_LEN"]  # context length (tokens)
 VOCAB_SIZE = PROFILES[PROFILE]["VOCAB_SIZE"]  # BPE vocabulary, special tokens included
+# Rows per forward of the harness's evaluation, fixed here (the model is exported for it): how the evaluation is
+# cut into batches is never train.py's choice
+EVAL_ROWS = max(1, min(EVAL_MAX_ROWS, EVAL_LOGITS_BYTES // (MAX_SEQ_LEN * VOCAB_SIZE * 4)))
 # On a GPU an offline corpus is far too small to measure learning: the default there is upstream's climbmix.
 DATASET = os.environ.get("AUTOLOOP_DATASET") or ("climbmix" if PROFILE == "gpu" else "pystdlib")
 
@@ -258,10 +254,10 @@ def other_pythons():
     """The library trees of the machine's other Pythons (other versions, environments, the system's): their
     test suites hold copies of the scored files, byte for byte, so the sandbox hides those too."""
     here = {os.path.realpath(sysconfig.get_paths()[key]) for key in ("stdlib", "purelib", "platlib")}
-    patterns = [os.path.join(os.path.dirname(sys.base_prefix), "*", "lib", "python3*"),  # pyenv versions, conda envs
-                os.path.join(sys.base_prefix, "envs", "*", "lib", "python3*"), os.path.join(sys.prefix, "lib", "python3*"),
-                "/usr/lib/python3*", "/usr/local/lib/python3*", "/opt/*/lib/python3*", "/opt/conda/envs/*/lib/python3*",
-                os.path.expanduser("~/.local/lib/python3*"), os.path.expanduser("~/.pyenv/versions/*/lib/python3*")]
+    patterns = [os.path.join(os.path.dirname(sys.base_prefix), "*", "lib", "python[0-9]*"),  # pyenv versions, conda envs
+                os.path.join(sys.base_prefix, "envs", "*", "lib", "python[0-9]*"), os.path.join(sys.prefix, "lib", "python[0-9]*"),
+                "/usr/lib/python[0-9]*", "/usr/local/lib/python[0-9]*", "/opt/*/lib/python[0-9]*", "/opt/conda/envs/*/lib/python[0-9]*",
+                os.path.expanduser("~/.local/lib/python[0-9]*"), os.path.expanduser("~/.pyenv/versions/*/lib/python[0-9]*")]
     trees = {os.path.realpath(t) for pattern in patterns for t in glob.glob(pattern) if os.path.isdir(t)}
     return sorted(t for t in trees if not any(t == h or h.startswith(t + os.sep) for h in here)) + sorted(here)
 
@@ -897,8 +893,8 @@ def evaluate_bpb(model, tokenizer, batch_size):
 
     The model must map a (rows, MAX_SEQ_LEN) batch of token ids to logits (rows, MAX_SEQ_LEN, vocab): the loss
     is computed here. Under the autoloop controller (AUTOLOOP_EVAL_ARTIFACT set) the model is only exported there
-    (torch.export) and nan is returned: the number that counts is computed from that graph by `python prepare.py
-    --evaluate`, in a process that never runs train.py's code, so every experiment is evaluated once.
+    (torch.export) and nan is returned: the number that counts is computed from that graph by `python evaluate.py`,
+    in a process that never runs train.py's code, so every experiment is evaluated once.
     """
     if os.environ.get("AUTOLOOP_EVAL_ARTIFACT"):
         t0 = time.time()
@@ -911,7 +907,7 @@ def evaluate_bpb(model, tokenizer, batch_size):
 
 
 # The line evaluate_bpb prints under the controller when training is over and the export begins. A sandboxed
-# controller starts `prepare.py --evaluate` then: it imports and reads its data while the model is exported, and
+# controller starts `evaluate.py` then: it imports and reads its data while the model is exported, and
 # waits for its nonce (stdin), which comes once train.py's process has ended. Printing it early only costs the
 # run CPU time: the evaluation touches the saved model only after the nonce.
 EXPORT_LINE = "evaluate_bpb: training is over; exporting the model for the autoloop harness"
@@ -923,7 +919,7 @@ def save_eval_artifact(model, batch_size, path):
     vocab); the harness computes the loss itself. Written atomically, with how it was evaluated (autocast)."""
     device = next(model.parameters()).device
     autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
-    rows = eval_rows_per_forward(batch_size, VOCAB_SIZE)
+    rows = EVAL_ROWS  # the harness's, whatever batch_size train.py asked for
     example = torch.zeros((rows, MAX_SEQ_LEN), dtype=torch.long, device=device)
     model.eval()
     with torch.no_grad(), torch.autocast(device_type=device.type, enabled=False):  # a plain graph: the harness
@@ -937,475 +933,6 @@ def save_eval_artifact(model, batch_size, path):
 def eval_rows_per_forward(batch_size, vocab_size):
     """Rows per evaluation forward: batch_size, fewer when the logits would exceed EVAL_LOGITS_BYTES."""
     return max(1, min(batch_size, EVAL_LOGITS_BYTES // (MAX_SEQ_LEN * vocab_size * 4)))
-
-
-_dumps, _open, _write, _close, _exit = json.dumps, os.open, os.write, os.close, os._exit
-
-
-def _write_result(path, result):
-    """The result file, created anew (a file or link the run left at that name is replaced, never followed)."""
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    fd = _open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
-    try:
-        _write(fd, _dumps(result).encode())
-    finally:
-        _close(fd)
-
-
-# ---------------------------------------------------------------------------
-# The controller's evaluation: an exported graph, loaded without running any of the run's Python
-# ---------------------------------------------------------------------------
-# torch.export.load unpickles parts of the archive and evaluates strings (guards, symbolic shapes) from it: a
-# file the run wrote could run code in the evaluator. So the harness reads the archive itself: JSON and raw
-# weight bytes only, static shapes, no guards, no subgraphs or custom objects, and only the pure, deterministic
-# ATen operations below; then it checks what a graph could still cheat with (causality, batch rows that see each
-# other, state) on the evaluation's own batches.
-
-EVAL_OPS = set("""
-abs add addmm alias all amax amin any arange argmax argmin atan atan2 baddbmm bitwise_and bitwise_not bitwise_or
-bitwise_xor bmm cat ceil chunk clamp clamp_max clamp_min clone constant_pad_nd contiguous cos cosh cumsum detach
-diagonal div elu embedding eq erf exp expand expand_as expm1 flatten flip floor fmod full full_like gather ge gelu
-group_norm gt hardtanh index index_select layer_norm le leaky_relu lerp lift_fresh_copy linear log log1p log2
-log_softmax logical_and logical_not logical_or logsumexp lt masked_fill matmul max maximum mean min minimum mish
-mm mul native_layer_norm ne neg norm linalg_vector_norm ones ones_like outer permute pow prod reciprocal relu
-remainder repeat repeat_interleave reshape rms_norm roll round rsqrt scalar_tensor scaled_dot_product_attention
-scatter scatter_add select sigmoid sign silu sin sinh slice softmax softplus split split_with_sizes sqrt square
-squeeze stack std sub sum t tanh tensor_split tile to topk sort transpose tril triu trunc type_as unbind unflatten
-unsqueeze var view view_as where zeros zeros_like _assert_tensor_metadata _log_softmax _softmax _to_copy
-_unsafe_view __and__ __or__ __xor__ __invert__
-""".split())
-EVAL_MAX_PROBES = 8  # batches re-run with a changed future and shuffled rows (causality, rows kept apart):
-EVAL_PROBE_SHARE = 8  # one in this many of the evaluation's batches, at least EVAL_MIN_PROBES, at most the max
-EVAL_MIN_PROBES = 2
-# What a probe compares is log-probabilities (clamped at -30): an absolute bound the model cannot move. (A bound
-# relative to the logits let a model that set one unscored logit to -1e6 peek at the next token unseen.)
-EVAL_PROBE_ATOL = 1e-3  # nats a log-probability that should not change may move by (kernel noise; CPU: 0)
-EVAL_PROBE_ATOL_GPU = 1e-2  # on an accelerator, where kernels may order their sums by the data
-_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-_FORBIDDEN_KEYS = {"as_expr", "expr_str", "as_graph", "as_custom_obj", "as_operator", "as_sym_int", "as_sym_ints",
-                   "as_sym_float", "as_sym_floats", "as_sym_bool", "as_sym_bools", "as_complex"}
-
-
-class ArtifactRefused(Exception):
-    """The saved model is not a plain exported graph the harness can evaluate without running the run's code."""
-
-
-def _walk(node, path=""):
-    """Every (key path, key, value) of a JSON document."""
-    if isinstance(node, dict):
-        for key, value in node.items():
-            yield path, key, value
-            yield from _walk(value, f"{path}.{key}")
-    elif isinstance(node, list):
-        for i, value in enumerate(node):
-            yield from _walk(value, f"{path}[{i}]")
-
-
-def _check_program(program):
-    """Refuse what torch's deserializer would execute and what the harness does not evaluate (each node's
-    operation is checked where the graph is built: _operation)."""
-    if program.get("range_constraints") or program.get("guards_code"):
-        raise ArtifactRefused("the graph has symbolic shapes or guards; export with static shapes")
-    for path, key, value in _walk(program):
-        if key in _FORBIDDEN_KEYS:
-            raise ArtifactRefused(f"the graph holds {key.removeprefix('as_')} values ({path}); only tensors of fixed "
-                                  "shape and plain constants are evaluated")
-        if key == "name" and isinstance(value, str) and not _IDENTIFIER.match(value):
-            raise ArtifactRefused(f"a value with an unusable name ({value[:40]!r})")
-        if key in ("parameter_name", "buffer_name", "tensor_constant_name", "fqn") and isinstance(value, str):
-            if value and not all(_IDENTIFIER.match(p) or p.isdigit() for p in value.split(".")) or "__" in value:
-                raise ArtifactRefused(f"an unusable parameter or module name ({value[:40]!r})")
-    module = program["graph_module"]
-    graph = module["graph"]
-    if any(graph.get(k) for k in ("sym_int_values", "sym_bool_values", "sym_float_values", "custom_obj_values")):
-        raise ArtifactRefused("the graph has symbolic or custom values; export with static shapes")
-    if module.get("treespec_namedtuple_fields"):
-        raise ArtifactRefused("the model returns named tuples; return one tensor of logits")
-    if set(program.get("verifiers") or []) - {"TRAINING", "ATEN"}:
-        raise ArtifactRefused(f"an unknown graph dialect {program['verifiers']}")
-
-
-# Serialized enums of torch.export's schema (torch/_export/serde/schema.py), the ones a model's graph uses
-_DTYPES = {1: torch.uint8, 2: torch.int8, 3: torch.int16, 4: torch.int32, 5: torch.int64, 6: torch.float16,
-           7: torch.float32, 8: torch.float64, 12: torch.bool, 13: torch.bfloat16}
-_STRIDED, _MEMORY_FORMATS = 7, {1: torch.contiguous_format, 4: torch.preserve_format}
-_LITERALS = {"as_int", "as_float", "as_bool", "as_string", "as_ints", "as_floats", "as_bools", "as_strings"}
-
-
-def _read_payload(archive, directory, config_name, kind):
-    """Tensors stored as raw bytes (never pickles), each checked against the shape and dtype it declares."""
-    tensors = {}
-    config = json.loads(archive.read(directory + config_name))["config"]
-    for fqn, meta in config.items():
-        tm = meta.get("tensor_meta") or {}
-        path = str(meta.get("path_name", ""))
-        if meta.get("use_pickle") or not re.fullmatch(r"(weight|tensor)_\d+", path) or tm.get("dtype") not in _DTYPES \
-                or tm.get("layout", _STRIDED) != _STRIDED:
-            raise ArtifactRefused(f"{kind} {fqn!r} is not a plain tensor (pickled objects are not loaded)")
-        try:
-            sizes, strides = [s["as_int"] for s in tm["sizes"]], [s["as_int"] for s in tm["strides"]]
-            offset = tm["storage_offset"]["as_int"]
-        except (KeyError, TypeError):
-            raise ArtifactRefused(f"{kind} {fqn!r} has a symbolic shape") from None
-        if not all(type(v) is int for v in [*sizes, *strides, offset]):
-            raise ArtifactRefused(f"{kind} {fqn!r} has a malformed shape")
-        data = bytearray(archive.read(directory + path))
-        dtype = _DTYPES[tm["dtype"]]
-        flat = torch.frombuffer(data, dtype=dtype) if data else torch.zeros(0, dtype=dtype)
-        try:
-            tensors[fqn] = torch.as_strided(flat, sizes, strides, offset)
-        except RuntimeError as e:
-            raise ArtifactRefused(f"{kind} {fqn!r} does not fit its data ({str(e)[:80]})") from None
-    return tensors
-
-
-class _Ref:
-    """A value of the graph, by name."""
-    __slots__ = ("name",)
-
-    def __init__(self, name):
-        self.name = name
-
-
-def _decode(arg, device):
-    """A serialized argument as a Python value (a _Ref for a tensor of the graph). Anything else is refused."""
-    if not isinstance(arg, dict) or len(arg) != 1:
-        raise ArtifactRefused("a malformed argument")
-    (tag, value), = arg.items()
-    if tag == "as_tensor":
-        return _Ref(value["name"])
-    if tag == "as_tensors":
-        return [_Ref(v["name"]) for v in value]
-    if tag == "as_optional_tensors":
-        return [None if "as_none" in v else _Ref(v["as_tensor"]["name"]) for v in value]
-    if tag == "as_none":
-        return None
-    if tag in _LITERALS:
-        return value
-    if tag == "as_scalar_type" and value in _DTYPES:
-        return _DTYPES[value]
-    if tag == "as_device":
-        return device  # the evaluation's device, whatever the run's was
-    if tag == "as_layout" and value == _STRIDED:
-        return torch.strided
-    if tag == "as_memory_format" and value in _MEMORY_FORMATS:
-        return _MEMORY_FORMATS[value]
-    raise ArtifactRefused(f"an argument of an unsupported kind ({tag})")
-
-
-def _operation(target):
-    """The allowed ATen operation a node calls: pure and deterministic (attention: dropout checked per node)."""
-    parts = str(target).split(".")
-    if len(parts) != 5 or parts[:3] != ["torch", "ops", "aten"] or parts[3] not in EVAL_OPS \
-            or not _IDENTIFIER.match(parts[4]):
-        raise ArtifactRefused(f"the graph uses {str(target)[:80]!r}, which is not among the ATen operations the "
-                              "harness evaluates (pure and deterministic; no random, in-place or custom ones)")
-    try:
-        op = getattr(getattr(torch.ops.aten, parts[3]), parts[4])
-    except AttributeError:
-        raise ArtifactRefused(f"the graph uses {target!r}, which this torch does not have") from None
-    attention = parts[3] == "scaled_dot_product_attention"
-    if op._schema.is_mutable or (torch.Tag.nondeterministic_seeded in op.tags and not attention):
-        raise ArtifactRefused(f"the graph uses {op}, which mutates or draws random numbers")
-    return op
-
-
-def _names(values):
-    """The names of the graph values that `values` (decoded arguments or outputs) refer to."""
-    for value in values:
-        if isinstance(value, _Ref):
-            yield value.name
-        elif isinstance(value, list):
-            yield from _names(value)
-
-
-class ExportedGraph:
-    """An exported graph run by the harness itself: each node an allowed ATen operation called on decoded
-    arguments, in order. Nothing from the archive is executed but those operations (no deserializer, no
-    generated code); export's dtype assertions are skipped (they pin the fp32 seen at export, and the harness
-    runs the graph under the run's autocast)."""
-
-    def __init__(self, program, weights, constants, device):
-        module = program["graph_module"]
-        graph, signature = module["graph"], module["signature"]
-        self.values, inputs = {}, []
-        for spec in signature["input_specs"]:
-            (kind, body), = spec.items()
-            if kind == "user_input":
-                inputs.append(body["arg"]["as_tensor"]["name"])
-                continue
-            fqn = body.get({"parameter": "parameter_name", "buffer": "buffer_name",
-                            "tensor_constant": "tensor_constant_name"}.get(kind, ""), "")
-            source = weights if fqn in weights else constants
-            if kind not in ("parameter", "buffer", "tensor_constant") or fqn not in source:
-                raise ArtifactRefused(f"the graph takes an input of kind {kind} ({fqn or '?'}); it may take only "
-                                      "its weights and the batch")
-            self.values[body["arg"]["name"]] = source[fqn].to(device)
-        outputs = signature["output_specs"]
-        if len(inputs) != 1:
-            raise ArtifactRefused(f"the model takes {len(inputs)} inputs; it must take one batch of token ids")
-        if [next(iter(o)) for o in outputs] != ["user_output"] or "as_tensor" not in outputs[0]["user_output"]["arg"]:
-            raise ArtifactRefused("the graph must return exactly one tensor (the logits) and mutate nothing: a buffer "
-                                  "it updates would carry state from one batch to the next")
-        self.input, self.output = inputs[0], outputs[0]["user_output"]["arg"]["as_tensor"]["name"]
-        self.nodes = []
-        for node in graph["nodes"]:
-            op = _operation(node.get("target"))
-            if op is torch.ops.aten._assert_tensor_metadata.default:
-                continue
-            args, kwargs = [], {}
-            for item in node["inputs"]:
-                value = _decode(item["arg"], device)
-                if item.get("kind") == 2:
-                    kwargs[item["name"]] = value
-                else:
-                    args.append(value)
-            if op is torch.ops.aten.scaled_dot_product_attention.default and \
-                    kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0) != 0.0:
-                raise ArtifactRefused("the graph's attention uses dropout (random numbers); evaluate without it")
-            self.nodes.append((op, args, kwargs, [_decode(o, device) for o in node["outputs"]]))
-        # what each node is the last to use (or makes for no one): let go of it then, so a forward holds only
-        # what is still to be used (a fifth less time on the cpu profile: the freed memory is reused hot)
-        last = {}
-        for i, (_, args, kwargs, outputs) in enumerate(self.nodes):
-            for name in _names(outputs):
-                last[name] = i
-            for name in _names([*args, *kwargs.values()]):
-                last[name] = i
-        self.done = [[] for _ in self.nodes]
-        for name, i in last.items():
-            if name != self.output and name not in self.values and name != self.input:
-                self.done[i].append(name)
-
-    def _get(self, value, env):
-        if isinstance(value, _Ref):
-            if value.name not in env:
-                raise ArtifactRefused(f"the graph uses {value.name!r} before it is computed")
-            return env[value.name]
-        if isinstance(value, list):
-            return [self._get(v, env) for v in value]
-        return value
-
-    def __call__(self, x):
-        env = dict(self.values)
-        env[self.input] = x
-        for (op, args, kwargs, outputs), done in zip(self.nodes, self.done):
-            result = op(*[self._get(a, env) for a in args], **{k: self._get(v, env) for k, v in kwargs.items()})
-            if len(outputs) == 1 and isinstance(outputs[0], _Ref):
-                env[outputs[0].name] = result
-            else:
-                flat = [o for out in outputs for o in (out if isinstance(out, list) else [out])]
-                results = list(result) if isinstance(result, (tuple, list)) else [result]
-                if len(results) != len(flat):
-                    raise ArtifactRefused(f"{op} returned {len(results)} values, the graph names {len(flat)}")
-                for out, value in zip(flat, results):
-                    if isinstance(out, _Ref):
-                        env[out.name] = value
-            for name in done:
-                env.pop(name, None)
-        if self.output not in env:
-            raise ArtifactRefused("the graph's output is never computed")
-        return env[self.output]
-
-
-def load_exported(path, device):
-    """(the exported graph, ready to run on `device`, the run's notes, the input shape) read from a torch.export
-    archive without executing anything from it. ArtifactRefused says why a file is not evaluated."""
-    import zipfile
-
-    try:
-        archive = zipfile.ZipFile(path)
-    except (OSError, zipfile.BadZipFile) as e:
-        raise ArtifactRefused(f"the saved model is not an exported program ({e}); call prepare.evaluate_bpb, which "
-                              "exports it with torch.export") from None
-    try:
-        with archive:
-            roots = [n[:-len("models/model.json")] for n in archive.namelist() if n.endswith("models/model.json")]
-            if len(roots) != 1:
-                raise ArtifactRefused("the saved model holds no single exported program")
-            root = roots[0]
-            program = json.loads(archive.read(root + "models/model.json"))
-            _check_program(program)
-            weights = _read_payload(archive, root + "data/weights/", "model_weights_config.json", "weight")
-            constants = _read_payload(archive, root + "data/constants/", "model_constants_config.json", "constant")
-            try:
-                notes = json.loads(archive.read(root + "extra/autoloop.json"))
-            except (KeyError, ValueError):
-                notes = {}
-        graph = ExportedGraph(program, weights, constants, device)
-        shape = _input_shape(program, graph.input)
-    except (KeyError, TypeError, ValueError, AttributeError, zipfile.BadZipFile) as e:
-        raise ArtifactRefused(f"the exported program is malformed ({type(e).__name__}: {str(e)[:120]})") from None
-    return graph, notes if isinstance(notes, dict) else {}, shape
-
-
-def _input_shape(program, name):
-    meta = program["graph_module"]["graph"]["tensor_values"].get(name) or {}
-    sizes = [s.get("as_int") for s in meta.get("sizes", [])]
-    if len(sizes) != 2 or sizes[1] != MAX_SEQ_LEN or not isinstance(sizes[0], int) or sizes[0] < 1 \
-            or meta.get("dtype") != 5:  # ScalarType LONG
-        raise ArtifactRefused(f"the model was exported for input {sizes}; it must take (rows, {MAX_SEQ_LEN}) int64 "
-                              "token ids (prepare.evaluate_bpb exports it so)")
-    return tuple(sizes)
-
-
-def probe_picks(n_batches, generator):
-    """Which of the evaluation's batches the probes run again (at random)."""
-    probes = min(EVAL_MAX_PROBES, max(EVAL_MIN_PROBES, -(-n_batches // EVAL_PROBE_SHARE)))
-    return torch.randperm(n_batches, generator=generator)[:probes].tolist()
-
-
-@torch.no_grad()
-def _score(forward, rows, batch_rows, wanted, vocab, token_bytes, device, keep=()):
-    """(total nats, total bytes, {batch index: (input, logits)} of the batches in `keep`) of the evaluation
-    rows (only those batches' logits are kept: all of them would take gigabytes)."""
-    total_nats, total_bytes, counted, seen = 0.0, 0, 0, {}
-    for b, start in enumerate(range(0, len(rows), batch_rows)):
-        batch = rows[start:start + batch_rows]
-        real = len(batch)
-        if real < batch_rows:  # the graph has a fixed batch: pad with rows already scored, then ignore them
-            batch = torch.cat([batch, rows[:batch_rows - real]])
-        batch = batch.to(device)
-        x, y = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
-        logits = forward(x)
-        if not isinstance(logits, torch.Tensor) or tuple(logits.shape) != (batch_rows, MAX_SEQ_LEN, vocab) \
-                or not logits.is_floating_point():
-            raise ArtifactRefused(f"the model returned {type(logits).__name__} "
-                                  f"{tuple(getattr(logits, 'shape', ()))}; it must return logits of shape "
-                                  f"({batch_rows}, {MAX_SEQ_LEN}, {vocab})")
-        losses = _token_losses(logits.float().reshape(-1, vocab), y.reshape(-1))
-        take = min(real * MAX_SEQ_LEN, wanted - counted)  # the last row may count only in part
-        nbytes = token_bytes[y.reshape(-1)[:take]]
-        total_nats += (losses[:take] * (nbytes > 0)).sum().item()
-        total_bytes += nbytes.sum().item()
-        counted += take
-        if b in keep:
-            seen[b] = (x, logits)
-    assert counted == wanted, (counted, wanted)
-    return total_nats, total_bytes, seen
-
-
-def _token_losses(logits, targets):
-    """Per-token cross-entropy (nats). On a CPU a few rows at a time: the same numbers as in one call (each row is
-    computed on its own), nearly twice as fast, as a chunk's log-softmax stays in cache."""
-    chunk = 256 if logits.device.type == "cpu" else len(targets)
-    return torch.cat([torch.nn.functional.cross_entropy(logits[i:i + chunk], targets[i:i + chunk], reduction="none")
-                      for i in range(0, len(targets), chunk)])
-
-
-@torch.no_grad()
-def _log_probs(logits):
-    return torch.log_softmax(logits.float(), dim=-1).clamp_min(-30.0)
-
-
-@torch.no_grad()
-def _probe(forward, seen, picks, generator, atol=EVAL_PROBE_ATOL):
-    """'' if the model is causal, keeps batch rows apart and is stateless on the evaluation's own batches, else
-    what it did: a few batches (chosen at random) run again with their rows shuffled and each row's tokens after a
-    random position replaced by another row's; the log-probabilities up to that position must not change by more
-    than atol. Run after all the scoring, the same comparison shows state: a model whose answers drift from one
-    batch to the next fails it too."""
-    for b in picks:
-        x, logits = seen[b]
-        rows, T = x.shape
-        order = torch.randperm(rows, generator=generator).to(x.device)
-        donor = torch.roll(order, 1) if rows > 1 else order
-        cut = torch.randint(0, T - 1, (rows,), generator=generator).to(x.device)
-        future = torch.arange(T, device=x.device)[None, :] > cut[:, None]
-        probe = torch.where(future, x[donor].flip(1) if rows == 1 else x[donor], x[order])
-        row, pos = (~future).nonzero(as_tuple=True)  # each row up to its cut: what must not have changed
-        again = _log_probs(forward(probe)[row, pos])
-        diff = (again - _log_probs(logits[order[row], pos])).abs().amax().item()
-        if not diff <= atol:
-            return (f"the model's predictions at a position changed by {diff:.3g} nats when later tokens or other "
-                    f"rows of the batch changed, or when it ran again: it must be causal, score each row on "
-                    f"its own and keep no state")
-    return ""
-
-
-def _verified_bytes(manifest, rel):
-    """A prepared file's bytes, if they match the manifest the session pinned (read once: what is checked is
-    what is used)."""
-    data = (MANIFEST_PATH.parent / rel).read_bytes()
-    if hashlib.sha256(data).hexdigest() != manifest["files"].get(rel):
-        raise ArtifactRefused(f"the prepared file {rel} changed since it was prepared; prepare the data again")
-    return data
-
-
-def evaluate_artifact(path, split="val", ready=None):
-    """The controller's measurement: bits per byte of an exported model on a split, computed here from its logits
-    (the run's code never runs in this process), after checking it is causal, keeps rows apart and is stateless.
-    ready() is called once the data is read and checked, before the model or the device is touched (the
-    controller's go: it reads the nonce); None if it returns False (called off: no result)."""
-    import io
-
-    manifest = load_manifest()
-    problem, pinned = "", os.environ.get("AUTOLOOP_MANIFEST_DIGEST")  # set by the controller: its session's data
-    if pinned and manifest_digest(manifest) != pinned:
-        problem = ("the prepared data's manifest (evaluation sizes, file hashes) changed since the session pinned "
-                   "it; an experiment may have rewritten it")
-    else:
-        try:
-            tokenizer = Tokenizer(pickle.loads(_verified_bytes(manifest, f"{TOKENIZER_DIR.name}/tokenizer.pkl")))
-            token_bytes = torch.load(io.BytesIO(_verified_bytes(manifest, f"{TOKENIZER_DIR.name}/token_bytes.pt")),
-                                     weights_only=True)
-            for rel in manifest["splits"][split]:
-                _verified_bytes(manifest, f"data/{rel}")
-            wanted = split_tokens(split)
-            rows = eval_rows(tokenizer, _split_files(split), -(-wanted // MAX_SEQ_LEN))
-        except ArtifactRefused as e:
-            problem = f"the saved model was refused: {e}"
-        except (RuntimeError, FileNotFoundError, ValueError, TypeError) as e:  # a split run dry
-            problem = f"the evaluation of the {split} split failed: {str(e).splitlines()[0][:300]}"
-    if ready is not None and not ready():
-        return None
-    if problem:
-        return {"error": problem}
-    device = torch.device(os.environ.get("AUTOLOOP_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu"))
-    try:
-        token_bytes = token_bytes.to(device)
-        graph, notes, (batch_rows, _) = load_exported(path, device)
-        vocab = len(token_bytes)
-        if batch_rows > eval_rows_per_forward(batch_rows, vocab):
-            raise ArtifactRefused(f"the model was exported for {batch_rows} rows per forward; at most "
-                                  f"{eval_rows_per_forward(batch_rows, vocab)} fit the evaluation's memory bound")
-        autocast = {"torch.bfloat16": torch.bfloat16, "torch.float16": torch.float16}.get(notes.get("autocast"))
-    except ArtifactRefused as e:
-        return {"error": f"the saved model was refused: {e}"}
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-    def forward(x):
-        with torch.inference_mode(), torch.autocast(device_type=device.type, dtype=autocast or torch.float32,
-                                                    enabled=autocast is not None):
-            return graph(x)
-
-    t0 = time.time()
-    try:
-        generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little"))  # unguessable
-        picks = probe_picks(-(-len(rows) // batch_rows), generator)
-        nats, nbytes, seen = _score(forward, rows, batch_rows, wanted, vocab, token_bytes, device, set(picks))
-        atol = EVAL_PROBE_ATOL if device.type == "cpu" else EVAL_PROBE_ATOL_GPU
-        cheat = _probe(forward, seen, picks, generator, atol)
-    except ArtifactRefused as e:
-        return {"error": f"the saved model was refused: {e}"}
-    except (RuntimeError, FileNotFoundError, ValueError, TypeError) as e:  # a forward that fails, a split run dry
-        return {"error": f"the evaluation of the {split} split failed: {str(e).splitlines()[0][:300]}"}
-    if cheat:
-        return {"error": f"the saved model was refused: {cheat}"}
-    value = nats / (math.log(2) * nbytes)
-    if device.type == "cuda":
-        peak_mb = torch.cuda.max_memory_allocated(device) / 2**20
-    else:
-        import resource
-        peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 2**10)
-    return {"val_bpb" if split == "val" else f"{split}_bpb": value, "split": split, "eval_tokens": wanted,
-            "batch_size": batch_rows, "autocast": notes.get("autocast"), "seconds": round(time.time() - t0, 3),
-            "probes": len(picks),
-            "peak_mb": round(peak_mb, 1), "memory_kind": "vram" if device.type == "cuda" else "rss"}
 
 
 def evaluate_holdout_bpb(model, tokenizer, batch_size):
@@ -1428,37 +955,7 @@ if __name__ == "__main__":
     parser.add_argument("--base-url", default=None, help="online datasets: mirror to download from")
     parser.add_argument("--force", action="store_true", help="prepare again even if the manifest verifies")
     parser.add_argument("--check", action="store_true", help="only verify the prepared files; exit 1 on mismatch")
-    parser.add_argument("--evaluate", metavar="ARTIFACT", help="score a model saved by evaluate_bpb (controller use)")
-    parser.add_argument("--split", default="val", choices=["val", "holdout"], help="with --evaluate: which split")
-    parser.add_argument("--result", metavar="FILE", help="with --evaluate: write the result here, with the nonce "
-                                                          "read from the first line of stdin (controller use)")
     args = parser.parse_args()
-    if args.evaluate:
-        # The controller's channel: a file holding its nonce (read from stdin), never parsed from output. No code of
-        # the run's executes here: the model is an exported graph (load_exported), and the controller starts this
-        # process with `python -I` from the run's worktree, so nothing the run left there is imported either.
-        # It may start before train.py's process has ended (EXPORT_LINE): the nonce, read only once the data is
-        # ready, is its go, and no nonce (stdin closed) means that it was called off.
-        told = []
-
-        def ready():
-            told.append(sys.stdin.readline().strip() if args.result else "")
-            return bool(told[0]) or not args.result
-
-        try:
-            result = evaluate_artifact(args.evaluate, args.split, ready)
-        except Exception as e:  # noqa: BLE001 - whatever the model did, the controller gets a result that says so
-            first = (str(e).splitlines() or [""])[0][:200]
-            result = {"error": f"the evaluation failed: {type(e).__name__}: {first}"}
-        if result is None or (not told and not ready()):  # called off before, or (after a failure) now
-            print("prepare.py --evaluate: called off by the controller (no nonce); nothing evaluated", flush=True)
-            _exit(3)
-        nonce = told[0]
-        if args.result:
-            _write_result(args.result, {**result, "nonce": nonce})
-        else:
-            print("AUTOLOOP_EVAL " + json.dumps(result), flush=True)
-        _exit(3 if "error" in result else 0)
     if ((args.dataset and args.dataset != DATASET) or (args.profile and args.profile != PROFILE)) \
             and not os.environ.get("_AUTOLOOP_REEXEC"):
         # Module constants derive from the environment: re-run with it set, so there is one source of truth.

@@ -9,7 +9,7 @@ prepared beforehand (not timed), and splits the experiment's wall time (record.j
                 time between steps that training_seconds leaves out, and the process exit after the summary
     training    train.py's `training_seconds`
     evaluation  train.py's evaluate_bpb (it saves the model for the harness; older harnesses also evaluate
-                it there) and the harness step `prepare.py --evaluate` (a process of its own)
+                it there) and the harness step `evaluate.py` (a process of its own)
     controller  everything else: propose, checks, git, job set-up, recording
 
 The split inside train.py's process comes from the times at which its lines reach run.log (the controller
@@ -142,7 +142,7 @@ def source_revision(source: Path) -> str:
     ):
         digests = ", ".join(
             f"{name} {hashlib.sha256((source / name).read_bytes()).hexdigest()[:8]}"
-            for name in ("train.py", "prepare.py")
+            for name in ("train.py", "prepare.py", "evaluate.py")
         )
         return f"not a git checkout; sha256 {digests}"
     dirty = subprocess.run(
@@ -157,7 +157,7 @@ def run_experiment(args, source: Path, cache: Path, workdir: Path) -> dict:
     """Prepare (untimed), run one experiment through the controller, and return the raw observations."""
     files = {
         name: (source / name).read_text()
-        for name in ("train.py", "prepare.py", ".gitignore")
+        for name in ("train.py", "prepare.py", "evaluate.py", ".gitignore")
         if (source / name).exists()
     }
     repo = make_git_repo(workdir / "repo", files)
@@ -371,7 +371,7 @@ def print_table(r: dict, args, source: Path, revision: str) -> None:
     row("training (training_seconds)", r["training_seconds"])
     row("evaluation", r["evaluation_s"])
     row("train.py evaluate_bpb (saves the model; own evaluation)", p["own_eval"], 2)
-    row("harness step: prepare.py --evaluate (own process)", r["harness_eval_wall_s"], 2)
+    row("harness step: evaluate.py (own process)", r["harness_eval_wall_s"], 2)
     row("controller", r["controller_s"])
     rec = r["controller_recorded_s"]
     row("propose / check / git / record (record.json timings)", sum(rec.values()), 2)
@@ -432,7 +432,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="print the numbers as JSON instead of the table")
     args = ap.parse_args()
     source = args.source.expanduser().resolve()
-    for name in ("train.py", "prepare.py", "orchestrator/cli.py"):
+    for name in ("train.py", "prepare.py", "evaluate.py", "orchestrator/cli.py"):
         if not (source / name).exists():
             sys.exit(f"experiment_time: {source / name} is missing; --source must be a checkout of this project")
     digest = hashlib.sha256((source / "prepare.py").read_bytes()).hexdigest()[:12]

@@ -57,7 +57,7 @@ class FixProposer(Proposer):
 
 
 def fresh_repo(where: Path, hobble: bool = False) -> Path:
-    files = {name: (ROOT / name).read_text() for name in ("prepare.py", "train.py", ".gitignore")}
+    files = {name: (ROOT / name).read_text() for name in ("prepare.py", "evaluate.py", "train.py", ".gitignore")}
     if hobble:
         files["train.py"] = files["train.py"].replace(*HOBBLE)
     return make_git_repo(where, files)

@@ -7,8 +7,9 @@
 #                                                   AUTOLOOP_EVAL_ARTIFACT set: train.py saves the model as it
 #                                                   does under the controller); its summary, the median tokens/s
 #                                                   over the step lines (compilation steps left out), MFU, memory
-#   4. python -I prepare.py --evaluate MODEL --split val (timed: the controller's own evaluation step: the exported
-#                                                   graph loaded without running train.py, scored, probed)
+#   4. python -I -S evaluate.py MODEL --split val  (timed: the controller's own evaluation step: the exported
+#                                                   graph loaded without running train.py, scored, probed; the
+#                                                   probes' noise figures measure this GPU's kernels)
 #   5. pytest -q -m cuda                           (the CUDA-marked tests)
 #
 # and ends with a "figures" block (key: value lines). Everything is also written under $OUT when it is set
@@ -252,7 +253,7 @@ else
 fi
 
 # ---------------------------------------------------------------------------------------------------------------
-section "harness evaluation: prepare.py --evaluate model.pt --split val"
+section "harness evaluation: evaluate.py model.pt --split val"
 if [ "$TRAIN_RC" != 0 ]; then
   echo "gpu_check: skipped: train.py failed"; FAILED+=(evaluate)
 elif [ ! -s "$MODEL" ]; then
@@ -261,7 +262,7 @@ elif [ ! -s "$MODEL" ]; then
 else
   ls -l "$MODEL" | awk '{ printf "model.pt: %.1f MB\n", $5 / 1e6 }'
   run_step evaluate "$(limit_for 150 45)" "$LOGDIR/eval.log" \
-    env "${RUN_ENV[@]}" AUTOLOOP_TIME_BUDGET="$BUDGET" "$PY" -I prepare.py --evaluate "$MODEL" --split val
+    env "${RUN_ENV[@]}" AUTOLOOP_TIME_BUDGET="$BUDGET" "$PY" -I -S evaluate.py "$MODEL" --split val
   figure harness_eval_s "$STEP_S"
   grep '^AUTOLOOP_EVAL ' "$LOGDIR/eval.log" || true
   echo "harness evaluation: ${STEP_S}s"
@@ -337,7 +338,10 @@ line = next((ln for ln in read(eval_log).splitlines() if ln.startswith("AUTOLOOP
 result = json.loads(line.split(" ", 1)[1]) if line else {}
 print(f"harness_val_bpb: {result.get('val_bpb', result.get('error', '-'))}")
 print(f"harness_eval_tokens: {result.get('eval_tokens', '-')}")
-print(f"harness_eval_scoring_s: {result.get('seconds', '-')} (scoring and {result.get('probes', '-')} probe forwards)")
+print(f"harness_eval_scoring_s: {result.get('seconds', '-')} (scoring and {result.get('probes', '-')} probed rows, "
+      f"{result.get('probe_seconds', '-')}s of it probing)")
+probe = result.get("probe") or {}
+print("harness_probe_noise: " + (", ".join(f"{k} {v:.3g}" for k, v in probe.items()) if probe else "-"))
 m = re.search(r"model exported for the autoloop harness in ([\d.]+)s", read(train_log))
 print(f"export_s: {m.group(1) if m else '-'}")
 EOF

@@ -71,6 +71,7 @@ def main() -> int:
             d = Path(tmp) / f"c{i}"
             d.mkdir()
             shutil.copy(ROOT / "prepare.py", d / "prepare.py")
+            shutil.copy(ROOT / "evaluate.py", d / "evaluate.py")
             (d / "train.py").write_text(text)
             dirs[name] = d
         t0 = time.monotonic()

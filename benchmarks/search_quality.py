@@ -45,7 +45,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def fresh_repo(where: Path) -> Path:
-    return make_git_repo(where, {name: (ROOT / name).read_text() for name in ("prepare.py", "train.py", ".gitignore")})
+    names = ("prepare.py", "evaluate.py", "train.py", ".gitignore")
+    return make_git_repo(where, {name: (ROOT / name).read_text() for name in names})
 
 
 NOOP = "false_keeps:NoOpProposer"  # edits that change nothing (comments): every keep of one is a false keep
@@ -509,6 +510,7 @@ def remeasure(
         for i, source in enumerate(distinct):
             (Path(tmp) / str(i)).mkdir()
             shutil.copy(ROOT / "prepare.py", Path(tmp) / str(i) / "prepare.py")
+            shutil.copy(ROOT / "evaluate.py", Path(tmp) / str(i) / "evaluate.py")
             (Path(tmp) / str(i) / "train.py").write_text(source)
         for r in range(rounds):
             order = list(range(len(distinct)))

@@ -43,8 +43,8 @@ def run(ctx: click.Context, **values) -> None:
 @click.pass_context
 def doctor(ctx: click.Context, **values) -> None:
     """Check the machine and repo for `autoloop run` with the same options: git identity and signing, GPU /
-    driver / torch, the prepared data, free disk for the night, extras, the agent CLI. One line per check with
-    its fix; exit 1 when something would stop the loop."""
+    driver / torch, the sandbox, the prepared data, free disk for the night, extras, the agent CLI. One line
+    per check with its fix; exit 1 when something would stop the loop."""
     from .doctor import FAIL, WARN, run_checks
 
     settings = settings_from(ctx, values)

@@ -1,8 +1,9 @@
 """`autoloop doctor`: the environment problems that otherwise surface at 2 a.m., found before the night starts.
 
 One finding per check, each with its fix. `fail` means the loop would stop (or never start); `warn` means it
-runs but something is off. `autoloop run` runs the blocking checks that the loop does not already make itself
-(free disk, an agent CLI that answers) before experiment 1.
+runs but something is off (e.g. runs unconfined: check_sandbox says what that means). `autoloop run` runs the
+blocking checks that the loop does not already make itself (free disk, an agent CLI that answers) before
+experiment 1.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from .core.settings import Settings
 from .executors import gpu
 from .store import gitops
 from .store.hparams import read_constants
-from .trust import harness
+from .trust import confine, harness
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 EXTRAS = {
@@ -82,6 +83,7 @@ def run_checks(settings: Settings) -> list[Finding]:
     except LoopError as e:
         torch_problem = str(e)
     findings.append(check_gpu(settings, env, info, torch_problem))
+    findings.append(check_sandbox(settings, (info.profile if info else None) or settings.profile))
     findings.append(check_data(settings, info))
     findings.append(check_disk(settings, info))
     findings.append(check_extras(settings))
@@ -248,6 +250,70 @@ def check_gpu(settings: Settings, env: dict[str, str], info, problem: str | None
         f"{check.driver.version}; torch {torch.get('version')} built for CUDA "
         f"{torch.get('cuda')} sees {torch.get('devices')} device(s)",
     )
+
+
+# Where the kernel keeps user namespaces from an unprivileged bubblewrap: (file, value that forbids, the fix)
+USERNS_SWITCHES = (
+    ("/proc/sys/kernel/unprivileged_userns_clone", "0", "sysctl -w kernel.unprivileged_userns_clone=1"),
+    ("/proc/sys/user/max_user_namespaces", "0", "sysctl -w user.max_user_namespaces=15000"),
+    (
+        "/proc/sys/kernel/apparmor_restrict_unprivileged_userns",
+        "1",
+        "sysctl -w kernel.apparmor_restrict_unprivileged_userns=0 (Ubuntu 23.10+; or an AppArmor profile for bwrap)",
+    ),
+)
+INSTALL_BWRAP = "apt-get install bubblewrap (Debian, Ubuntu) or dnf install bubblewrap (Fedora, RHEL)"
+
+
+def check_sandbox(settings: Settings, profile: str | None) -> Finding:
+    """As the loop decides it (Workspace.confine): bubblewrap present, user namespaces allowed, and a test
+    confinement with a step's whole set of arguments (confine.sandbox_problem()). Without one, the gpu profile's
+    night and --sandbox on stop (FAIL); elsewhere runs are unconfined (warn), with what that means."""
+    from .core.workspace import UNCONFINED
+
+    if settings.sandbox == "off":
+        return Finding(
+            "sandbox",
+            WARN,
+            f"--sandbox off: runs are unconfined: {UNCONFINED}",
+            "leave out --sandbox off where bubblewrap works (`autoloop doctor` without it checks)",
+        )
+    problem = confine.sandbox_problem()
+    blocked = userns_blocked()
+    if problem:
+        stops = settings.sandbox == "on" or profile == "gpu"
+        why = "--sandbox on" if settings.sandbox == "on" else "the gpu profile runs confined"
+        fix = INSTALL_BWRAP if shutil.which("bwrap") is None else "; ".join(blocked) or USERNS_FIX
+        return Finding(
+            "sandbox",
+            FAIL if stops else WARN,
+            f"{problem.split(' (apt-get')[0]}: "
+            + (f"the loop stops before experiment 1 ({why})" if stops else "runs would be unconfined")
+            + f". Unconfined, {UNCONFINED}",
+            fix + (" - or run unconfined on purpose with --sandbox off" if stops else ""),
+        )
+    found = f"bubblewrap at {shutil.which('bwrap')}; a test confinement ran"
+    if note := confine.sandbox_note():
+        return Finding("sandbox", WARN, f"{found}, but weaker here: {note}", "; ".join(blocked) or USERNS_FIX)
+    return Finding("sandbox", OK, f"{found}: each run is confined (docs/trust.md)")
+
+
+USERNS_FIX = (
+    "allow user namespaces (in a container: run it with --security-opt seccomp=unconfined, or on the host); "
+    "or update bubblewrap (0.8 has --disable-userns)"
+)
+
+
+def userns_blocked() -> list[str]:
+    """The fixes for the kernel switches that forbid user namespaces here (none where none does)."""
+    fixes = []
+    for path, forbids, fix in USERNS_SWITCHES:
+        try:
+            if Path(path).read_text().strip() == forbids:
+                fixes.append(fix)
+        except OSError:
+            continue
+    return fixes
 
 
 def check_data(settings: Settings, info) -> Finding:

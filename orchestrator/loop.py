@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 
 from . import LoopError
-from .core.holdout import due, holdout_check
+from .core.holdout import due, holdout_check, warning
 from .core.judge import Finished, decide
 from .core.noise import load_statistics, significant_lines
 from .core.plan import Ideas, plan
@@ -123,6 +123,8 @@ def _session(settings: Settings, echo: Callable[[str], None]) -> State:
                 echo("autoloop: verify: nothing was kept beyond the baseline; nothing to verify")
             else:
                 verify_open(ws, executor, state, Trackers(settings.trackers, ws, echo))
+        if flag := warning(ws, state):  # the last line: a best that only validation confirms is not missed
+            echo(flag)
         return state
 
 
@@ -266,6 +268,8 @@ def finished(ws: Workspace, state: State, run: Run) -> Finished:
         record.reason, record.phase, record.val_bpb = run.crash.reason, run.crash.phase.value, None
         record.cause = run.crash.cause.value
         return Finished(record, run.kind, crashed=True)
+    if run.overran:  # its idea's first overrun of the clock: a disturbed run, not counted, run again
+        return Finished(record, run.kind, disturbed=run.overran)
     if run.stopped:  # --early-stop: its curve was clearly behind the best's
         return Finished(record, run.kind, stopped=run.stopped)
     shorter = False
@@ -304,6 +308,8 @@ def stopped(
             return
         ws.echo("autoloop: running the held-out check (Ctrl-C again to skip it) ...")
         holdout_check(ws, executor, state, ws.echo)
+        if flag := warning(ws, state):
+            ws.echo(flag)
     except KeyboardInterrupt as again:
         ws.processes.kill_all()
         if isinstance(again, Terminated):

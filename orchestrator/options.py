@@ -374,8 +374,8 @@ RUN_OPTIONS: list[click.Option] = [
         default="auto",
         show_default=True,
         help="Run each step in a bubblewrap sandbox: only its run directory and worktree "
-        "writable, no network. auto: where bubblewrap works (Linux), else unconfined "
-        "with a note.",
+        "writable, no network. auto: where bubblewrap works (Linux); without it the gpu profile stops "
+        "before experiment 1, others run unconfined with a note (`autoloop doctor` names the fix).",
     ),
     RunOption(
         ["--sandbox-net"], section=SAFETY, is_flag=True, default=False, help="Let sandboxed runs reach the network."

@@ -1,10 +1,10 @@
 """`autoloop init`: a ready workspace from the package's own files, so that a pip install needs no clone.
 
-A workspace is a git repository with train.py (what the loop edits), prepare.py (the fixed harness), program.md
-(the brief LLM proposers read), a .gitignore for autoloop's state and a [tool.autoloop] table in pyproject.toml.
-`--existing` adds whichever of these a repository with a committed train.py lacks (a clone of upstream
-autoresearch, say) and touches nothing else: a file that is there is left as it is, .gitignore only gains
-missing lines, pyproject.toml only a table it does not have.
+A workspace is a git repository with train.py (what the loop edits), prepare.py and evaluate.py (the fixed
+harness and its evaluation), program.md (the brief LLM proposers read), a .gitignore for autoloop's state and a
+[tool.autoloop] table in pyproject.toml. `--existing` adds whichever of these a repository with a committed
+train.py lacks (a clone of upstream autoresearch, say) and touches nothing else: a file that is there is left as
+it is, .gitignore only gains missing lines, pyproject.toml only a table it does not have.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ except ModuleNotFoundError:  # Python 3.10
 FILES = {
     "train.py": "train.py",
     "prepare.py": "prepare.py",
+    "evaluate.py": "evaluate.py",
     "program.md": "program.md",
     ".gitignore": "gitignore",
     "pyproject.toml": "pyproject.toml",
@@ -132,8 +133,8 @@ def _existing(target: Path) -> tuple[list[str], str | None]:
     except tomllib.TOMLDecodeError as e:
         raise LoopError(f"{project} is not valid TOML ({e}); fix it, then run this again") from None
     writes: dict[str, str] = {}  # path -> its new text
-    for name in ("prepare.py", "program.md"):
-        if not (root / name).exists():
+    for name in ("prepare.py", "evaluate.py", "program.md"):  # evaluate.py scores for autoloop's prepare.py only
+        if not (root / name).exists() and (name != "evaluate.py" or "prepare.py" in writes):
             writes[name] = template(name)
     ignore = root / ".gitignore"
     text_ignore = ignore.read_text() if ignore.exists() else ""

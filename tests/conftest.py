@@ -38,7 +38,7 @@ def ctrl_c_reaches_what_we_start():
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-CONFINED = {"test_confine", "test_sandbox_attacks"}  # the modules that test the sandbox itself
+CONFINED = {"test_confine", "test_sandbox_attacks", "test_box_attacks"}  # the modules that test the sandbox itself
 
 
 @pytest.fixture(autouse=True)

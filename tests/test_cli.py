@@ -218,7 +218,9 @@ def test_end_to_end_with_the_real_train_py(tiny_env, tmp_path):
     """`autoloop run` with the default noise gate in a repo holding the project's prepare.py and train.py (tiny
     profile, CPU): the baseline and its repeats measure σ, then two queued edits train for real."""
     repo = tmp_path / "proj"
-    make_repo(repo, {name: (ROOT / name).read_text() for name in ("prepare.py", "train.py", ".gitignore")})
+    make_repo(
+        repo, {name: (ROOT / name).read_text() for name in ("prepare.py", "evaluate.py", "train.py", ".gitignore")}
+    )
     env = dict(
         tiny_env, **CLOCK_SLACK, PYTHONPATH=subprocess_env()["PYTHONPATH"]
     )  # no AUTOLOOP_BASELINE_REPEATS: the default
@@ -278,7 +280,13 @@ def test_two_workers_with_the_real_train_py(tiny_env, tmp_path):
     assert train.count(call) == 1
     stamp = '        print(f"t_{} {{time.time()}}", flush=True)\n'
     train = train.replace(call, "\n" + stamp.format("start") + call[1:] + stamp.format("end"))
-    make_repo(repo, {"train.py": train, **{name: (ROOT / name).read_text() for name in ("prepare.py", ".gitignore")}})
+    make_repo(
+        repo,
+        {
+            "train.py": train,
+            **{name: (ROOT / name).read_text() for name in ("prepare.py", "evaluate.py", ".gitignore")},
+        },
+    )
     env = dict(
         tiny_env,
         **CLOCK_SLACK,

@@ -4,7 +4,7 @@ a run takes seconds). Each must end as a crash whose reason says what was refuse
 no code of the run's may execute in the evaluator (a marker file it would write never appears).
 
 The evaluation scores an exported graph (torch.export) in a process started with `python -I` that never imports
-train.py; prepare.load_exported reads the archive itself (JSON and raw tensor bytes: never a pickle, a guard or a
+train.py; evaluate.load_exported reads the archive itself (JSON and raw tensor bytes: never a pickle, a guard or a
 symbolic expression), allows only pure ATen operations, and probes causality, row independence and state on the
 evaluation's own batches.
 """
@@ -125,6 +125,23 @@ def attacks(marker: str) -> list[tuple[str, str, str | None]]:
             ),
             "must be causal",
         ),
+        (
+            "peeks only in rows whose content hash is 0 mod 4 (a cheat on a quarter of the rows)",
+            forward_returns(
+                "logits + 30 * F.embedding(torch.roll(idx, -1, 1), self.eye) * (idx.sum(1, keepdim=True) % 4 == 0)"
+                ".unsqueeze(-1)",
+                "        self.register_buffer('eye', torch.eye(vocab), persistent=False)\n",
+            ),
+            "must be causal",
+        ),
+        (
+            "peeks by less than the old probe's tolerance at every position (+0.00049 to the next token's logit)",
+            forward_returns(
+                "logits + 0.00049 * F.embedding(torch.roll(idx, -1, 1), self.eye)",
+                "        self.register_buffer('eye', torch.eye(vocab), persistent=False)\n",
+            ),
+            "was likelier",
+        ),
         ("rows see each other", forward_returns("logits + logits.mean(0, keepdim=True)"), "score each row on its own"),
         (
             "carries state",
@@ -219,6 +236,39 @@ rewrite(edit)
             "holds expr values",
         ),
         (
+            "archive: a weight declared 2**36 elements over one (stride 0): costs the evaluator time, not bytes",
+            after_export(
+                REWRITE
+                + """
+def edit(files):
+    config = next(n for n in files if n.endswith("model_weights_config.json"))
+    c = _json.loads(files[config])
+    for meta in c["config"].values():
+        meta["tensor_meta"]["sizes"] = [{"as_int": 2**36}]
+        meta["tensor_meta"]["strides"] = [{"as_int": 0}]
+    files[config] = _json.dumps(c).encode()
+rewrite(edit)
+"""
+            ),
+            "declares 68719476736 elements",
+        ),
+        (
+            "archive: exported for another number of rows per forward (the run choosing the batches)",
+            after_export(
+                REWRITE
+                + """
+def edit(files):
+    name, p = program(files)
+    graph = p["graph_module"]["graph"]
+    first = graph["tensor_values"][graph["inputs"][-1]["as_tensor"]["name"]]
+    first["sizes"][0] = {"as_int": 1}
+    files[name] = _json.dumps(p).encode()
+rewrite(edit)
+"""
+            ),
+            "it must take",
+        ),
+        (
             "archive: a random operation",
             after_export(
                 REWRITE
@@ -236,7 +286,7 @@ rewrite(edit)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1200)
 @pytest.mark.parametrize("sandbox", ["off", "on"])
 def test_forged_evaluations_are_refused_or_honest(tiny_env, tmp_path, monkeypatch, sandbox):
     """Unconfined and in the sandbox (as root in CI): the defences of the metric do not depend on the mode."""
@@ -253,6 +303,7 @@ def test_forged_evaluations_are_refused_or_honest(tiny_env, tmp_path, monkeypatc
         repo,
         {
             "prepare.py": (ROOT / "prepare.py").read_text(),
+            "evaluate.py": (ROOT / "evaluate.py").read_text(),
             "train.py": HONEST,
             ".gitignore": (ROOT / ".gitignore").read_text(),
         },
@@ -287,14 +338,14 @@ def test_forged_evaluations_are_refused_or_honest(tiny_env, tmp_path, monkeypatc
 
 
 def _export_and_evaluate(env: dict, tmp_path) -> dict:
-    """The real train.py exports its model as it does under the controller; `python -I prepare.py --evaluate` scores
+    """The real train.py exports its model as it does under the controller; `python -I -S evaluate.py` scores
     the graph (the controller's evaluation step), in a directory holding only the two files."""
     import json
     import shutil
     import subprocess
     import sys
 
-    for name in ("train.py", "prepare.py"):
+    for name in ("train.py", "prepare.py", "evaluate.py"):
         shutil.copy(ROOT / name, tmp_path / name)
     env = dict(env, AUTOLOOP_TIME_BUDGET="3", AUTOLOOP_EVAL_ARTIFACT=str(tmp_path / "model.pt"))
     train = subprocess.run(
@@ -304,7 +355,7 @@ def _export_and_evaluate(env: dict, tmp_path) -> dict:
     assert "model exported for the autoloop harness" in train.stdout
     env.pop("AUTOLOOP_EVAL_ARTIFACT")
     proc = subprocess.run(
-        [sys.executable, "-I", "prepare.py", "--evaluate", "model.pt"],
+        [sys.executable, "-I", "-S", "evaluate.py", "model.pt"],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -334,7 +385,7 @@ def test_the_real_model_passes_the_evaluations_checks(tiny_env, tmp_path, device
     exports to a graph the harness accepts: allowed operations, causal, rows apart, stateless within tolerance."""
     result = _export_and_evaluate(dict(tiny_env, AUTOLOOP_DEVICE=device), tmp_path)
     assert "error" not in result, result
-    assert 0 < result["val_bpb"] < 20 and result["probes"] >= 2 and result["eval_tokens"] > 0
+    assert 0 < result["val_bpb"] < 20 and result["probes"] >= 64 and result["eval_tokens"] > 0
 
 
 @pytest.mark.slow
@@ -370,6 +421,7 @@ print("copies elsewhere:", OTHER_COPIES(_p), "bytes", flush=True)
         repo,
         {
             "prepare.py": (ROOT / "prepare.py").read_text(),
+            "evaluate.py": (ROOT / "evaluate.py").read_text(),
             "train.py": HONEST,
             ".gitignore": (ROOT / ".gitignore").read_text(),
         },
@@ -456,7 +508,10 @@ def test_the_start_up_slack_is_capped_at_a_quarter_of_the_budget():
 def test_a_slowed_clock_is_refused_at_a_small_budget(tiny_env, tmp_path, monkeypatch, clock_slack):
     """End to end, behind a start-up long next to the budget (8 s of set-up for a 5 s budget): a train.py whose
     clock runs at 0.2x trains 5x the budget and reports the budget; it is refused, with the test-only clock slack
-    too (20 s over the budget, the slack is 8 s); an honest edit passes."""
+    too (20 s over the budget, the slack is 8 s): its first overrun is run again (the machine's load, perhaps),
+    after a run of the baseline measured the start-up now, and its second is its crash; an honest edit passes."""
+    from orchestrator.core.noise import Gate
+
     for key in ("AUTOLOOP_CACHE", "AUTOLOOP_PROFILE", "AUTOLOOP_DEVICE"):
         monkeypatch.setenv(key, tiny_env[key])
     slow = CLOCKED.replace(
@@ -469,6 +524,7 @@ def test_a_slowed_clock_is_refused_at_a_small_budget(tiny_env, tmp_path, monkeyp
         repo,
         {
             "prepare.py": (ROOT / "prepare.py").read_text(),
+            "evaluate.py": (ROOT / "evaluate.py").read_text(),
             "train.py": CLOCKED,
             ".gitignore": (ROOT / ".gitignore").read_text(),
         },
@@ -487,14 +543,23 @@ def test_a_slowed_clock_is_refused_at_a_small_budget(tiny_env, tmp_path, monkeyp
     )
     run_loop(
         Settings(
-            repo=repo, tag="clock", budget=5.0, proposer="fakes:Scripted", baseline_repeats=0, startup_allowance=30.0
+            repo=repo,
+            tag="clock",
+            budget=5.0,
+            proposer="fakes:Scripted",
+            baseline_repeats=0,
+            startup_allowance=30.0,
+            gate=Gate("strict"),  # the honest edit decided at once (the baseline's second run opens the noise gate)
         ),
         echo=lambda line: None,
     )
     rows = read_rows(repo / "results.tsv")
-    assert [r.status for r in rows][0] == "keep" and len(rows) == 3, rows
-    assert rows[1].status == "crash" and "budget exceeded" in rows[1].description, rows[1]
-    assert rows[2].status in ("keep", "discard"), rows[2]
+    assert [r.status for r in rows][0] == "keep" and len(rows) == 5, rows
+    assert rows[1].status == "discard" and "overran its budget once" in rows[1].description, rows[1]
+    assert rows[2].description.startswith("baseline (repeat: measuring the start-up after run 2"), rows[2]
+    assert rows[3].status == "crash" and "budget exceeded" in rows[3].description, rows[3]
+    assert "run 2 of it overran too" in rows[3].description, rows[3]
+    assert rows[4].status in ("keep", "discard"), rows[4]
 
 
 @pytest.mark.slow
@@ -524,6 +589,7 @@ def test_what_a_run_leaves_in_its_directory_is_read_as_a_file_or_not_at_all(tiny
         repo,
         {
             "prepare.py": (ROOT / "prepare.py").read_text(),
+            "evaluate.py": (ROOT / "evaluate.py").read_text(),
             "train.py": HONEST,
             ".gitignore": (ROOT / ".gitignore").read_text(),
         },

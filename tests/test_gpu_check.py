@@ -191,7 +191,9 @@ def test_run_fails_loudly_on_a_gpu_torch_cannot_use(fake_repo, tmp_path, driver,
 def test_the_check_runs_before_preparation_with_the_real_harness(tmp_path):
     """The project's prepare.py (which imports torch itself) on an 8-GPU box: no data prepared, no 8 workers."""
     repo = tmp_path / "proj"
-    make_repo(repo, {name: (ROOT / name).read_text() for name in ("prepare.py", "train.py", ".gitignore")})
+    make_repo(
+        repo, {name: (ROOT / name).read_text() for name in ("prepare.py", "evaluate.py", "train.py", ".gitignore")}
+    )
     cache = tmp_path / "cache"
     env = env_with(fake_nvidia_smi(tmp_path / "bin", gpus=(H100,) * 8), AUTOLOOP_CACHE=str(cache))
     proc = autoloop(repo, env=env)

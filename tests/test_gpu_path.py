@@ -59,7 +59,12 @@ def test_gpu_profile_path_end_to_end_on_cpu(tmp_path):
     repo = tmp_path / "repo"
     make_repo(
         repo,
-        {"train.py": small_train_py(), "prepare.py": (ROOT / "prepare.py").read_text(), ".gitignore": "results.tsv\n"},
+        {
+            "train.py": small_train_py(),
+            "prepare.py": (ROOT / "prepare.py").read_text(),
+            "evaluate.py": (ROOT / "evaluate.py").read_text(),
+            ".gitignore": "results.tsv\n",
+        },
     )
     env = dict(os.environ, AUTOLOOP_CACHE=str(tmp_path / "cache"), AUTOLOOP_DEVICE="cpu", **CLOCK_SLACK)  # honest runs
     for key in ("AUTOLOOP_PROFILE", "AUTOLOOP_DATASET", "AUTOLOOP_BASELINE_REPEATS"):

@@ -78,6 +78,7 @@ def test_manifest_detects_changed_file_and_changed_prepare(tiny_env, tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     shutil.copy(ROOT / "prepare.py", work / "prepare.py")
+    shutil.copy(ROOT / "evaluate.py", work / "evaluate.py")
     check = [sys.executable, "prepare.py", "--check"]
     assert subprocess.run(check, cwd=work, env=env, capture_output=True).returncode == 0
     val = cache / "pystdlib" / "data" / "val.parquet"
@@ -512,7 +513,7 @@ def test_evaluation_refuses_a_manifest_changed_since_the_session_pinned_it(tiny_
     assert "val_bpb:          nan" in proc.stdout  # under the controller train.py does not evaluate
     manifest_path = cache / "pystdlib" / "manifest-tiny.json"
     digest = run_py("import prepare; print(prepare.manifest_digest(prepare.load_manifest()))", env).split()[-1]
-    evaluate = [sys.executable, "prepare.py", "--evaluate", str(tmp_path / "m.pt")]
+    evaluate = [sys.executable, "-I", "-S", "evaluate.py", str(tmp_path / "m.pt")]
     env = dict(env, AUTOLOOP_MANIFEST_DIGEST=digest)
     env.pop("AUTOLOOP_EVAL_ARTIFACT")
     good = subprocess.run(evaluate, cwd=ROOT, env=env, capture_output=True, text=True)

@@ -278,6 +278,7 @@ def test_report_improvement_per_training_hour_and_ideas_judged_per_hour(tmp_path
     assert f["holdout_improvement_per_training_hour"] == pytest.approx(0.06 / 4.25)
     assert f["ideas_judged"] == 2 and f["ideas_judged_per_hour"] == pytest.approx(2 / 6.0)
     assert f["training_on_gpu"] is False
+    assert f["holdout_disagrees"] == ""  # 0.07 on validation, 0.06 held out: they agree
 
     out = tmp_path / "out"
     assert autoloop("report", "--repo", str(repo), "--out", str(out)).returncode == 0
@@ -293,3 +294,69 @@ def test_report_improvement_per_training_hour_and_ideas_judged_per_hour(tmp_path
     assert totals["training_hours"] == pytest.approx(4.25) and totals["ideas_judged"] == 2
     assert totals["holdout_improvement_per_training_hour"] == pytest.approx(0.06 / 4.25)
     assert totals["ideas_judged_per_hour"] == pytest.approx(2 / 6.0)
+
+
+# --- a held-out check that disagrees with validation --------------------------------------------------------------
+
+
+def test_a_held_out_check_that_disagrees_with_validation_is_flagged_everywhere(fake_repo, plan, tmp_path):
+    """A real loop whose best gains 0.5 on validation and 0.01 held out (as an edit that read the validation split
+    does): the exit line, `status`, `report` (JSON and markdown) and the trackers' session totals say so. (The
+    fake harness makes no check of its own: the check's result is written beforehand for the run that is kept.)"""
+    from orchestrator.core.settings import Settings
+    from orchestrator.core.state import load_state
+    from orchestrator.core.workspace import Workspace
+    from orchestrator.loop import run_loop
+    from orchestrator.store.session import Paths
+    from orchestrator.trackers.base import session_totals
+
+    repo = fake_repo(fakes.ok(1.0))
+    plan([{"description": "read the validation split", "train": fakes.ok(0.5)}])
+    paths = Paths(repo, "v")
+    paths.state.mkdir(parents=True)
+    check = {
+        "baseline": {"n": 1, "holdout_bpb": 1.10, "val_bpb": 1.0},
+        "best": {"n": 2, "holdout_bpb": 1.09, "val_bpb": 0.5},
+    }
+    (paths.state / "holdout.json").write_text(json.dumps(check))
+    lines: list[str] = []
+    settings = Settings(
+        repo=repo, tag="v", budget=1.0, timeout=20.0, max_experiments=2, proposer="fakes:Scripted", baseline_repeats=0
+    )
+    state = run_loop(settings, lines.append)
+    assert state.best_run == 2, lines
+    assert lines[-1].startswith("autoloop: WARNING: the held-out check disagrees with validation"), lines
+    assert "gains 0.500000 bpb on validation but +0.010000 held out" in lines[-1]
+
+    status = json.loads(autoloop("status", "--repo", str(repo), "--json").stdout)
+    assert "disagrees with validation" in status["holdout"]["disagrees"]
+    text = autoloop("status", "--repo", str(repo)).stdout
+    assert "held-out check: baseline 1.100000 -> best 1.090000" in text and "WARNING: the held-out check" in text
+    report = json.loads(autoloop("report", "--repo", str(repo), "--json").stdout)
+    assert report["holdout_disagrees"] == status["holdout"]["disagrees"]
+    out = tmp_path / "out"
+    assert autoloop("report", "--repo", str(repo), "--out", str(out)).returncode == 0
+    assert f"> **Warning:** {report['holdout_disagrees']}" in (out / "report.md").read_text()
+    totals = session_totals(Workspace(Settings(repo=repo, tag="v"), lambda _: None), load_state(paths))
+    assert totals["holdout_disagrees"] == report["holdout_disagrees"]
+
+    # held out as much as on validation (within the noise): no flag anywhere
+    check["best"]["holdout_bpb"] = 0.62
+    (paths.state / "holdout.json").write_text(json.dumps(check))
+    assert json.loads(autoloop("status", "--repo", str(repo), "--json").stdout)["holdout"]["disagrees"] == ""
+    assert "WARNING" not in autoloop("status", "--repo", str(repo)).stdout
+    assert json.loads(autoloop("report", "--repo", str(repo), "--json").stdout)["holdout_disagrees"] == ""
+    assert "holdout_disagrees" not in session_totals(Workspace(Settings(repo=repo, tag="v"), lambda _: None), state)
+
+
+def test_the_disagreement_rule_weighs_the_session_noise():
+    """G_val - G_held > max(3σ√2, G_val / 2): the same gap flagged with a small σ, not with a large one."""
+    from orchestrator.core.holdout import disagreement
+
+    check = {"baseline": {"val_bpb": 1.0, "holdout_bpb": 1.0}, "best": {"val_bpb": 0.9, "holdout_bpb": 0.96}}
+    assert disagreement(check, sigma=0.001)  # 0.06 apart > max(0.0042, 0.05)
+    assert not disagreement(check, sigma=0.02)  # 0.06 < 3 * 0.02 * √2 = 0.085: within the noise
+    assert disagreement({**check, "sigma": 0.001})  # σ as stored with the check
+    assert not disagreement({"error": "best (#2): the saved model is gone"}, sigma=0.001)
+    worse = {"baseline": {"val_bpb": 1.0, "holdout_bpb": 1.0}, "best": {"val_bpb": 1.01, "holdout_bpb": 0.9}}
+    assert not disagreement(worse, sigma=None)  # no validation gain: nothing to disagree with

@@ -114,7 +114,8 @@ class Box:
         job = Job(
             steps=[[self.python, f"attack_{i}.py"] for i in range(len(codes))],
             logs=[f"step{i}.log" for i in range(len(codes))],
-            env={**confine.allowed_env(), "HOME": str(self.out), **(env or {})},
+            # {out}: the steps' directory is theirs to write (these attacks leave signs there), see Job.outputs
+            env={**confine.allowed_env(), "HOME": str(self.out), "AUTOLOOP_OUT": "{out}", **(env or {})},
             timeout_s=timeout,
             workdir=self.work,
             out_dir=self.out,
@@ -167,8 +168,8 @@ def user(request, monkeypatch):
     # bind it back: the step runs nobody's Python (nobodys_python), so only what that user can reach is bound
     reaches: dict[str, bool] = {}
 
-    def reachable(env: dict[str, str]) -> list[str]:
-        for path in (paths := real_readable(env)):
+    def reachable(env: dict[str, str], python: str = "") -> list[str]:
+        for path in (paths := real_readable(env, python)):
             if path not in reaches:
                 reaches[path] = subprocess.run([*SETPRIV, "test", "-e", path], capture_output=True).returncode == 0
         return [path for path in paths if reaches[path]]
@@ -771,7 +772,7 @@ def held_evaluation(
     job = Job(
         steps=[[box.python, "attack_0.py"], [box.python, "attack_1.py"]],
         logs=["step0.log", "step1.log"],
-        env={**confine.allowed_env(), "HOME": str(box.out)},
+        env={**confine.allowed_env(), "HOME": str(box.out), "AUTOLOOP_OUT": "{out}"},
         timeout_s=timeout,
         workdir=box.work,
         out_dir=box.out,
@@ -1010,8 +1011,8 @@ def test_a_train_py_that_attacks_from_the_loop_gets_nowhere(tmp_path, monkeypatc
         assert rows[1].status == "crash" or (rows[1].status == "keep" and abs(rows[1].val_bpb - 0.9) < 1e-9), rows
         assert "HELD" in log and "ESCAPED" not in log, log
         assert len(outcome(log)["tried"]) == 8
-        if project != tmp_path:  # there, and read-only
-            assert "Read-only file system" in outcome(log)["errors"]["plant a hook"], log
+        if project != tmp_path:  # (in HOME, once read-only; the sandbox holds neither HOME nor the repository now)
+            assert "No such file or directory" in outcome(log)["errors"]["plant a hook"], log
         assert secret not in log and not accepted
         assert sorted(p.name for p in (repo / ".git" / "hooks").iterdir()) == hooks
         assert not list(repo.rglob("pwned"))

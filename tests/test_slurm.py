@@ -336,7 +336,9 @@ def test_a_real_tiny_session_on_slurm_with_two_jobs_at_once_ctrl_c_and_resume(sl
     """Done-when of issue #35: 6 rows, 2 jobs running at once, Ctrl-C leaves the queue empty, resume completes;
     every run sandboxed on the node."""
     repo = tmp_path / "proj"
-    make_repo(repo, {name: (ROOT / name).read_text() for name in ("train.py", "prepare.py", ".gitignore")})
+    make_repo(
+        repo, {name: (ROOT / name).read_text() for name in ("train.py", "prepare.py", "evaluate.py", ".gitignore")}
+    )
     env = dict(
         tiny_env,
         **slurm.env,

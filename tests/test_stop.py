@@ -137,7 +137,9 @@ def stop_and_check(proc: subprocess.Popen, sig: int, procs: list[psutil.Process]
 def test_a_signal_during_training_stops_the_real_train_py(tiny_env, tmp_path, sig):
     """The orphan that was: the real train.py kept training after Ctrl-C, and a resume did not know of it."""
     repo = tmp_path / "repo"
-    make_repo(repo, {name: (ROOT / name).read_text() for name in ("train.py", "prepare.py", ".gitignore")})
+    make_repo(
+        repo, {name: (ROOT / name).read_text() for name in ("train.py", "prepare.py", "evaluate.py", ".gitignore")}
+    )
     env = subprocess_env(**{k: tiny_env[k] for k in ("AUTOLOOP_CACHE", "AUTOLOOP_PROFILE", "AUTOLOOP_DEVICE")})
     proc = start(repo, "--budget", "60", "--max-experiments", "1", env=env)
     wait_for(

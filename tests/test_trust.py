@@ -86,11 +86,16 @@ def test_static_checks_flag_only_what_the_edit_introduced():
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_tampering_edits_are_crashes_and_honest_edits_pass(tiny_env, tmp_path, monkeypatch, clock_slack):
-    """(The slowed clock trains ~25 s at a 0.5 s budget: refused with the test-only clock slack too.)"""
+    """(The slowed clock trains ~25 s at a 0.5 s budget: refused with the test-only clock slack too, at its second
+    overrun: test_clock.)"""
+    from orchestrator.core.noise import Gate
+
     for key in ("AUTOLOOP_CACHE", "AUTOLOOP_PROFILE", "AUTOLOOP_DEVICE"):
         monkeypatch.setenv(key, tiny_env[key])
     repo = tmp_path / "proj"
-    make_repo(repo, {name: (ROOT / name).read_text() for name in ("prepare.py", "train.py", ".gitignore")})
+    make_repo(
+        repo, {name: (ROOT / name).read_text() for name in ("prepare.py", "evaluate.py", "train.py", ".gitignore")}
+    )
     honest = edited("MATRIX_LR = 0.04", "MATRIX_LR = 0.05")
     steps = [*STATIC[0:2], RUNTIME[0], *STATIC[2:4], RUNTIME[1], *STATIC[4:6], RUNTIME[2], STATIC[6], RUNTIME[3]]
     # (every one crashes: the circuit breaker is set above their number)
@@ -106,12 +111,17 @@ def test_tampering_edits_are_crashes_and_honest_edits_pass(tiny_env, tmp_path, m
             baseline_repeats=0,
             startup_allowance=15.0,
             max_crashes=len(steps) + 1,
-        ),
+            gate=Gate("strict"),  # decided at once: the run of the baseline after the slow clock's first overrun
+        ),  # would otherwise give the noise gate its spread, and the honest edit a series of runs
         echo=lambda line: None,
     )
     rows = read_rows(repo / "results.tsv")
     assert rows[0].status == "keep" and rows[0].description == "baseline"
-    for row, (name, _, expected) in zip(rows[1:], steps):
+    # a first overrun of the clock is run again, after a run of the best (test_clock): the ideas' last rows
+    again = ("overran its budget once", "(repeat: measuring the start-up after run")
+    judged = [r for r in rows[1:] if not any(words in r.description for words in again)]
+    assert len(judged) == len(steps) + 1, rows
+    for row, (name, _, expected) in zip(judged, steps):
         if expected is None:
             assert row.status in ("keep", "discard"), (name, row.description)
         else:
@@ -141,6 +151,7 @@ def test_held_out_check_at_the_end_of_a_session(tiny_env, tmp_path, monkeypatch,
         repo,
         {
             "prepare.py": (ROOT / "prepare.py").read_text(),
+            "evaluate.py": (ROOT / "evaluate.py").read_text(),
             "train.py": hobbled,
             ".gitignore": (ROOT / ".gitignore").read_text(),
         },

@@ -51,14 +51,14 @@ def test_init_makes_a_committed_workspace_with_the_package_files(tmp_path):
     assert proc.returncode == 0, proc.stderr
     ws = tmp_path / "exp"
     assert "next: cd exp && autoloop doctor && autoloop run" in proc.stdout
-    for name in ("train.py", "prepare.py", "program.md"):
+    for name in ("train.py", "prepare.py", "evaluate.py", "program.md"):
         assert (ws / name).read_text() == (ROOT / name).read_text()
     assert ".autoloop/" in (ws / ".gitignore").read_text()
     assert "[tool.autoloop]" in (ws / "pyproject.toml").read_text()
     repo = git.Repo(ws)
     assert repo.active_branch.name == "main" and not repo.is_dirty(untracked_files=True)
     assert sorted(b.path for b in repo.head.commit.tree.traverse()) == sorted(
-        [".gitignore", "prepare.py", "program.md", "pyproject.toml", "train.py"]
+        [".gitignore", "evaluate.py", "prepare.py", "program.md", "pyproject.toml", "train.py"]
     )
     # the [tool.autoloop] table it writes is one `autoloop run` accepts (every line a comment to start from)
     assert autoloop("doctor", "--max-experiments", "3", cwd=ws).returncode == 0
@@ -145,7 +145,7 @@ def test_init_existing_refuses_or_respects_what_it_finds(tmp_path, case, message
     else:
         assert proc.returncode == 0, proc.stderr
         assert (tmp_path / "r" / "pyproject.toml").read_text() == before["pyproject.toml"]  # its table is kept
-        assert sorted(repo.head.commit.stats.files) == [".gitignore", "prepare.py", "program.md"]
+        assert sorted(repo.head.commit.stats.files) == [".gitignore", "evaluate.py", "prepare.py", "program.md"]
         assert autoloop("doctor", "--repo", str(tmp_path / "r")).returncode == 0  # still a valid pyproject.toml
 
 

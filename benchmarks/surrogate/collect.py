@@ -193,6 +193,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         shutil.copy(ROOT / "prepare.py", work / "prepare.py")
+        shutil.copy(ROOT / "evaluate.py", work / "evaluate.py")
         for k, run in enumerate(todo, start=done + 1):
             config = run["config"]
             changes = {n: v for n, v in config.items() if v != default[n]}

@@ -28,7 +28,8 @@ class Finished:
     kind: Kind
     crashed: bool = False
     shorter: bool = False  # its train.py has fewer significant lines than the best's
-    disturbed: str = ""  # why its throughput says it was slowed from outside (set by decide)
+    disturbed: str = ""  # why it was slowed from outside: its throughput (set by decide), or a first overrun of
+    #                      the clock (trial.overrun)
     stopped: str = ""  # why --early-stop stopped it: no val_bpb, a discard on its curve's evidence
     duplicate: int = 0  # the earlier run whose idea it repeats exactly: not run (proposers/memory.py)
 
@@ -40,8 +41,8 @@ def disturbance(state: State, run: Finished) -> str:
     benefit of the doubt once: a second slow run is its own speed."""
     r = run.record
     group = group_of(r)
-    if any(x.gate.disturbed for x in state.records if group_of(x) == group):
-        return ""
+    if any(x.gate.disturbed and not x.info.get("overran") for x in state.records if group_of(x) == group):
+        return ""  # (an overrun of the clock is another matter: trial.overrun)
     same = [x for x in state.records if state.counted(x) and x.device == r.device]
     twins, unit, whose = [x for x in same if group_of(x) == group], "steps", "its twins'"
     if not twins and run.kind == Kind.CANDIDATE:
@@ -75,7 +76,7 @@ def _judge(state: State, runs: list[Finished], gate: Gate) -> None:
     """decide() on working copies: fills each copy's gate and status."""
     if state.best_group:
         for run in runs:
-            if not run.crashed and not run.stopped and not run.duplicate:
+            if not run.crashed and not run.stopped and not run.duplicate and not run.disturbed:
                 run.disturbed = disturbance(state, run)
     ok = [r for r in runs if not r.crashed and not r.disturbed and not r.stopped and not r.duplicate]
     for run in runs:

@@ -121,7 +121,8 @@ def as_running(record: Record) -> Record:
 def again(ws: Workspace, state: State, first: Record, description: str, info: dict, kind: Kind) -> Prepared:
     """A run of an earlier candidate's edit again, on the best (the one it was made on: a pending candidate
     keeps the best where it is)."""
-    kept = {k: v for k, v in first.info.items() if k not in ("queue_id", "usage", "infra_failures", "would_stop")}
+    dropped = ("queue_id", "usage", "infra_failures", "would_stop", "overran")
+    kept = {k: v for k, v in first.info.items() if k not in dropped}
     patch = (ws.paths.run_dir(first.n) / "diff.patch").read_text()
     return Prepared(
         base=state.best_commit, description=description, patch=patch, group=first.n, info={**kept, **info}, kind=kind
@@ -155,6 +156,11 @@ def pending_runs(ws: Workspace, state: State, slots: int) -> list[Prepared]:
     comparison; slots beyond that run the candidate again (its looks allowing)."""
     first = state.pending or 0
     pending = next(r for r in state.records if r.n == first)
+    overran = [r.n for r in state.records if group_of(r) == first and r.info.get("overran")]
+    if overran and not any(state.kept_code(r) for r in state.records if r.n > overran[-1]):
+        # the clock refused its last run: the best runs first, so that the audit of its next run knows the
+        # machine's start-up now (trial.learned_startup), and a second overrun is the idea's own
+        return [parent_run(state, f"measuring the start-up after run {overran[-1]} overran") for _ in range(slots)]
     spare = max(0, COMPARISON_RUNS - asked(state))  # runs of the best this comparison may still ask for
     made = sum(1 for r in state.records if group_of(r) == first)
     if pending.gate.selection:

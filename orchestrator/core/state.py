@@ -135,6 +135,15 @@ class State:
         """Does this run's value count (counts()), and was it not found slowed afterwards (set_aside)?"""
         return counts(record) and record.n not in self.set_aside
 
+    def kept_code(self, record: Record) -> bool:
+        """Did this run run code kept before it (a repeat of the baseline, a run of the best)? The clock audit
+        learns the machine's start-up from such runs only (trial.learned_startup)."""
+        group = group_of(record)
+        return any(
+            group_of(r) == group and r.n < record.n and (r.gate.decision or r.status) == Decision.KEEP
+            for r in self.records
+        )
+
     def runs(self, group: int, device: str | None = None, after: int = 0) -> list[float]:
         """val_bpb of the counted runs of `group` (on `device` only, if given; numbered above `after` only)."""
         return [

@@ -27,14 +27,24 @@ from ..store.ledger import Record
 from ..store.session import write_status
 from ..trust import redaction
 from ..trust.curve import CURVE_KEYS, StopRule
-from ..trust.evaluation import RESULT, audit_clock, compare_printed, evaluator_flags, read_evaluation, read_result
+from ..trust.evaluation import (
+    OVERRAN,
+    RESULT,
+    audit_clock,
+    compare_printed,
+    evaluator_args,
+    evaluator_code,
+    read_evaluation,
+    read_result,
+    startup_allowance,
+)
 from ..trust.guard import new_violations
 from ..trust.harness import evaluation_data
 from ..trust.summary import environment_error, last_error_line, parse_summary, read_tail, val_bpb_of
 from .pipeline import Prepared
 from .plan import Ideas, as_running, refill
 from .progress import Progress, format_eta, last_step, read_curve
-from .state import Cause, Crash, Kind, Phase, State, group_of
+from .state import Cause, Crash, Kind, Phase, State, Status, group_of
 
 if TYPE_CHECKING:
     from .workspace import Workspace
@@ -56,6 +66,7 @@ class Run:
     done: bool = False
     stopped: str = ""  # why --early-stop stopped it (a discard, judged as such; no val_bpb)
     duplicate: int = 0  # the earlier run whose idea this one repeats (not run: a row at no cost)
+    overran: str = ""  # the clock audit refused it, the first time for its idea: disturbed, run again (overrun)
 
 
 def check_edit(ws: Workspace, wt: git.Repo) -> str:
@@ -132,18 +143,7 @@ def build_job(ws: Workspace, workdir: Path, run_dir: Path) -> Job:
     start_after: list[str | None] = [None]
     if ws.harness_info.artifacts:
         env["AUTOLOOP_EVAL_ARTIFACT"] = f"{OUT}/model.pt"
-        steps.append(
-            [
-                PYTHON,
-                *evaluator_flags(ws.info),
-                "prepare.py",
-                "--evaluate",
-                f"{OUT}/model.pt",
-                "--split",
-                "val",
-                *(["--result", f"{OUT}/{RESULT}"] if ws.harness_info.result_file else []),
-            ]
-        )
+        steps.append([PYTHON, *evaluator_args(ws.harness_info, f"{OUT}/model.pt", "val", f"{OUT}/{RESULT}")])
         logs.append("eval.log")
         step_env.append({"AUTOLOOP_EVAL_ARTIFACT": None})
         stdin.append(secrets.token_hex(16) + "\n")  # the result counts only with this run's nonce
@@ -163,7 +163,7 @@ def build_job(ws: Workspace, workdir: Path, run_dir: Path) -> Job:
         step_stdin=stdin,
         step_start_after=start_after,
         sandbox=ws.sandbox,
-        read_only=("prepare.py",),  # the harness's code: the evaluation may start while train.py still runs
+        read_only=evaluator_code(ws.harness_info),  # the evaluation may start while train.py still runs
         local_only=local_only,
         pass_env=tuple(ws.settings.pass_env),
         step_hidden=[evaluation_data(ws.harness_info.manifest) + corpus_source(ws)],
@@ -354,7 +354,7 @@ def run_generation(
     With pipelining the next generation's ideas are made meanwhile."""
     runs: list[Run] = []
     slots, born = list(executor.slots), time.monotonic()
-    startup = learned_startup(state, ws.settings.budget)  # the clock audit's allowance, from the baseline
+    startup = learned_startup(state, ws.settings.budget)  # the clock audit's start-up allowance (kept code's, now)
     protected = ws.protection.snapshot(state)  # checked after every run, restored if touched
     next_n = state.done + 1
     try:
@@ -380,6 +380,8 @@ def run_generation(
                         ),
                         True,
                     )
+                    if run.crash and run.record.info.get("overran"):  # the clock's refusal: the machine or the idea?
+                        run.crash, run.overran = overrun(state, run.record, run.crash)
                     if problems := ws.integrity_problems():  # the run changed prepare.py or the data
                         run.crash = Crash(f"the run changed the harness: {'; '.join(problems)}", Phase.AUDIT)
                         ws.restore_harness()
@@ -387,7 +389,7 @@ def run_generation(
                         run.crash = Crash(
                             f"the run touched what it may not (restored): {', '.join(touched[:5])}", Phase.AUDIT
                         )
-                    if run.crash:
+                    if run.crash or run.overran:
                         free.append(run.slot)
                     elif result.stopped:
                         run.stopped = result.stopped
@@ -476,15 +478,48 @@ def measure_safely(
         )
 
 
+STARTUP_WINDOW = 10  # the clock audit follows the start-ups of kept code among the session's last this many runs
+
+
 def learned_startup(state: State, budget: float) -> float | None:
-    """Seconds the session's baseline runs needed beyond the budget (start-up, compilation, saving): the
-    allowance the clock audit gives every edit (None until the baseline has run)."""
+    """Seconds beyond the budget (start-up, compilation, saving) the clock audit allows every edit now (None
+    until the baseline has run): the baseline's own (the most its first runs needed, before any other ran), or,
+    on a machine that became slower since, the most that code already kept needed among the last STARTUP_WINDOW
+    runs (the baseline's repeats, the best's runs: the audit never refuses them), grown by a bounded amount
+    (evaluation.startup_allowance). A candidate's own runs never count, so no edit buys itself or a later one
+    more time; a run of the best is made to measure it after an edit overran (plan.pending_runs)."""
+    first_other = min(  # the first run of another configuration after the baseline's (not a crashed baseline)
+        (r.n for r in state.records if r.n > state.baseline_group and group_of(r) != state.baseline_group),
+        default=None,
+    )
     walls = [
         r.timings["train"]
         for r in state.records
-        if state.baseline_group and group_of(r) == state.baseline_group and state.counted(r) and "train" in r.timings
+        if state.baseline_group
+        and group_of(r) == state.baseline_group
+        and (first_other is None or r.n < first_other)
+        and state.counted(r)
+        and "train" in r.timings
     ]
-    return max(0.0, max(walls) - budget) if walls else None
+    if not walls:
+        return None
+    recent = [
+        r.timings["train"] - budget
+        for r in state.records[-STARTUP_WINDOW:]
+        if "train" in r.timings and r.status != Status.CRASH and state.kept_code(r)
+    ]
+    return startup_allowance(max(0.0, max(walls) - budget), recent, budget)
+
+
+def overrun(state: State, record: Record, crash: Crash) -> tuple[Crash | None, str]:
+    """A run the clock audit refused (record.info "overran"): (its crash, '') if a run of its idea overran in an
+    earlier generation too; else (None, why it is a disturbed run): the machine's load is not the idea's crash,
+    so it is not counted and is run again, once a run of the best has measured the start-up now."""
+    earlier = [r.n for r in state.records if group_of(r) == group_of(record) and r.info.get("overran")]
+    if earlier:
+        why = f"{crash.reason}; run {earlier[-1]} of it overran too: refused after two overruns"
+        return Crash(why, Phase.AUDIT), ""
+    return None, f"overran its budget once ({crash.reason.removeprefix('budget exceeded: ')})"
 
 
 def measure(
@@ -513,6 +548,8 @@ def measure(
         return Crash(f"the run modified {', '.join(result.modified)}", Phase.AUDIT) if result.modified else None
     if train_step.timed_out:
         return Crash(f"timeout after {s.hard_timeout:.0f}s", Phase.TRAIN)
+    if train_step.killed:  # past its memory limit (runner.memory_note)
+        return Crash(train_step.killed, Phase.TRAIN)
     if train_step.exit_code != 0:
         line = last_error_line(log_text)
         if ws.sandbox is not None and "Read-only file system" in log_text:
@@ -535,6 +572,8 @@ def measure(
             record.metrics, s.budget, result.ages.get("model.pt"), s.startup_allowance, train_step.wall_s, startup
         )
     ):
+        if startup is not None and why.startswith(OVERRAN):  # the controller's clock: perhaps the machine's load
+            record.info["overran"] = why
         return Crash(why, Phase.AUDIT)
     if not ws.harness_info.artifacts:  # a harness without artifacts (e.g. upstream's): its printed number
         record.val_bpb = printed
@@ -552,11 +591,15 @@ def measure(
     eval_step = result.steps[1]
     if eval_step.timed_out:
         return Crash(f"the harness evaluation timed out after {s.hard_timeout:.0f}s", Phase.EVALUATE)
+    if eval_step.killed:  # a model whose evaluation reached the step's memory limit
+        return Crash(f"the harness evaluation: {eval_step.killed}", Phase.EVALUATE)
     nonce = (job.step_stdin[1] or "").strip() if len(job.step_stdin) > 1 else ""
     if ws.harness_info.result_file:
         measured, found, why = read_result(Path(eval_step.log).parent / RESULT, nonce, eval_step.exit_code)
     else:  # a prepare.py from before the result file: its printed line (see the note at start)
         measured, found, why = read_evaluation(read_tail(eval_step.log))
+    if isinstance(found.get("probe"), dict):  # the probes' figures: how far this model was from a refusal
+        record.info["probe"] = {k: v for k, v in found["probe"].items() if isinstance(v, (int, float))}
     if measured is None:
         blamed = environment_error(read_tail(eval_step.log)) if eval_step.exit_code else ""
         return Crash(f"{why}: {blamed}" if blamed else why, Phase.EVALUATE, Cause.ENVIRONMENT if blamed else Cause.IDEA)

@@ -25,6 +25,11 @@ from .protection import Protection
 from .settings import Settings
 from .state import State, load_records, replay
 
+# What an unconfined run can do (docs/trust.md: what holds only in the sandbox), said wherever runs go unconfined
+UNCONFINED = (
+    "a run can read the validation data and train on it, rewrite the packages the evaluator imports, and read "
+    "and re-encode any secret this user can read (redaction catches only its usual encodings)"
+)
 SESSION_ENV = (
     "AUTOLOOP_TIME_BUDGET",
     "AUTOLOOP_SEED",
@@ -49,7 +54,7 @@ class Workspace:
         )
         self.wt: git.Repo  # the session's worktree: set by open()
         self.info: harness.HarnessInfo | None = None
-        self.prepare_sha = self.manifest_digest = ""
+        self.prepare_sha = self.manifest_digest = self.evaluate_sha = ""
         self.baseline_source = ""
         self.queue = Queue(self.paths.queue)
         self.spend = Spend(self.paths.spend, settings.max_tokens, settings.max_cost)
@@ -88,15 +93,6 @@ class Workspace:
         """Check the repo, make the worktree, prepare and pin the harness. Call with the lock held."""
         gitops.require_clean(self.repo)
         gitops.exclude_state(self.repo)
-        if self.settings.sandbox != "off":
-            if problem := confine.sandbox_problem():
-                if self.settings.sandbox == "on":
-                    raise LoopError(f"--sandbox on, but {problem}; install it, or run unconfined with --sandbox off")
-                self.echo(f"autoloop: note: runs are unconfined: {problem}")
-            else:
-                self.sandbox = {"net": self.settings.sandbox_net, "required": self.settings.sandbox == "on"}
-                if note := confine.sandbox_note():
-                    self.echo(f"autoloop: note: the sandbox is weaker on this machine: {note}")
         self.wt = gitops.ensure_worktree(self.repo, self.settings.tag, self.paths.worktree)
         self.paths.runs.mkdir(parents=True, exist_ok=True)
         self.link_results()
@@ -104,6 +100,7 @@ class Workspace:
         slot_env = {**self.env, **executor.slots[0].env}  # as a run will see it
         self.info = harness.query(self.paths.worktree, slot_env, torch=gpu_check.needs_torch)
         gpu_check.finish(self.info.torch)  # LoopError: GPUs torch cannot use, or the gpu profile without CUDA
+        self.confine()  # the profile is known now; before any data is prepared
         for key, value in (("AUTOLOOP_PROFILE", self.info.profile), ("AUTOLOOP_DATASET", self.info.dataset)):
             if value and not self.env.get(key):
                 self.env[key] = value  # one harness size and corpus for every slot, as the query found them
@@ -146,8 +143,42 @@ class Workspace:
                 "model); install this Python's test suite and run prepare.py --force, or use --dataset DIR"
             )
         self.prepare_sha = harness.sha256_file(pinned) if pinned.exists() else ""
+        scorer = self.paths.worktree / "evaluate.py"
+        self.evaluate_sha = harness.sha256_file(scorer) if self.info.evaluator == "evaluate.py" else ""
         if self.info.manifest is not None:  # the evaluation refuses data that differs from what was pinned
             self.manifest_digest = self.env["AUTOLOOP_MANIFEST_DIGEST"] = harness.manifest_digest(self.info.manifest)
+
+    def confine(self) -> None:
+        """Decide the runs' sandbox (self.sandbox) once the profile is known: bubblewrap where it works; where it
+        does not, --sandbox on and the gpu profile's night (a GPU's hours are worth a sandbox) stop here with the
+        fix, unless --sandbox off says to run unconfined; elsewhere runs are unconfined with a note of what that
+        means (README: threat model)."""
+        choice = self.settings.sandbox
+        if choice == "off":
+            self.echo(f"autoloop: note: runs are unconfined (--sandbox off): {UNCONFINED}")
+            return
+        problem = confine.sandbox_problem()
+        if not problem:
+            self.sandbox = {"net": self.settings.sandbox_net, "required": choice == "on"}
+            if note := confine.sandbox_note():
+                self.echo(f"autoloop: note: the sandbox is weaker on this machine: {note}")
+            return
+        if choice == "on":
+            raise LoopError(f"--sandbox on, but {problem}; install it, or run unconfined with --sandbox off")
+        if self.profile == "gpu":
+            fix = (
+                "install bubblewrap (apt-get install bubblewrap, dnf install bubblewrap)"
+                if shutil.which("bwrap") is None
+                else "make it work here (`autoloop doctor` names the fix: e.g. allow user namespaces)"
+            )
+            raise LoopError(
+                f"the gpu profile runs confined, but {problem.split(' (apt-get')[0]}: {fix}, or run unconfined on "
+                f"purpose with --sandbox off (unconfined, {UNCONFINED})"
+            )
+        self.echo(
+            f"autoloop: note: runs are unconfined ({problem}): {UNCONFINED}. Install bubblewrap for the "
+            "sandbox (`autoloop doctor` names the fix)"
+        )
 
     def link_results(self) -> None:
         """results.tsv at the repo root points at this session's ledger (an existing file is kept aside)."""
@@ -176,6 +207,7 @@ class Workspace:
             + (" early-stop on" if gate.early_stop == "on" else ""),
             "manifest_digest": self.manifest_digest,
             "prepare_sha256": self.prepare_sha,
+            **({"evaluate_sha256": self.evaluate_sha} if self.evaluate_sha else {}),
         }
 
     def differences(self, pinned: dict) -> list[str]:
@@ -185,8 +217,10 @@ class Workspace:
         for key, old in was.items():
             new = now.get(key)
             if key in now and old is not None and old != new:
-                if key in ("manifest_digest", "prepare_sha256"):
-                    what = "the prepared data (evaluation sizes or files)" if key == "manifest_digest" else "prepare.py"
+                if key in ("manifest_digest", "prepare_sha256", "evaluate_sha256"):
+                    what = {"manifest_digest": "the prepared data (evaluation sizes or files)"}.get(
+                        key, key.replace("_sha256", ".py")
+                    )
                     out.append(f"{what} differs from the session's")
                 else:
                     unit = "s" if key == "budget" else ""
@@ -258,6 +292,9 @@ class Workspace:
         pinned = self.paths.worktree / "prepare.py"
         if self.prepare_sha and (not pinned.exists() or harness.sha256_file(pinned) != self.prepare_sha):
             problems.append("prepare.py differs from the one pinned at session start")
+        scorer = self.paths.worktree / "evaluate.py"
+        if self.evaluate_sha and (not scorer.exists() or harness.sha256_file(scorer) != self.evaluate_sha):
+            problems.append("evaluate.py differs from the one pinned at session start")
         if self.info and self.info.manifest is not None:
             problems += harness.verify(self.info.manifest)
             if harness.manifest_digest(self.info.manifest) != self.manifest_digest:

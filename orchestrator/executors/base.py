@@ -13,16 +13,26 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import socket
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..trust.confine import gpu_devices, readable_paths, sandbox_problem, sandboxed
+from ..trust.confine import (
+    gpu_devices,
+    hidden_paths,
+    home_cache,
+    private_places,
+    readable_paths,
+    sandbox_problem,
+    sandboxed,
+)
 from ..trust.curve import CurveWatch, StopRule
 from .gpu import smi
 from .runner import LOG_CAP_BYTES, LineWatch, RunResult, run_command
@@ -30,6 +40,17 @@ from .runner import LOG_CAP_BYTES, LineWatch, RunResult, run_command
 OUT = "{out}"  # in a step's arguments and environment: the directory the steps write logs and outputs to
 PYTHON = "{python}"  # the Python interpreter of the machine the step runs on
 SCRATCH_DIRS = ("HOME", "TMPDIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "XDG_CACHE_HOME")  # made if in {out}
+# A step's memory limit unless the job sets one: this share of the machine's memory (or of the container's limit)
+MEMORY_SHARE = 0.75
+# Without a GPU, a step's address space is limited too, to this many times its memory limit: an allocation far
+# past it (a weight declared [2**36]) fails at once, however the kernel overcommits. Not with a GPU: CUDA reserves
+# address space by the terabyte.
+ADDRESS_FACTOR = 2
+CGROUP_LIMIT = "/sys/fs/cgroup/memory.max"
+PYTHONS = re.compile(r"^(python|pypy)[0-9.]*$")  # a step run by one of these is asked where its packages are
+# What the controller writes in a run's directory before its job (trial.py, holdout.py) and after it: with the
+# job's logs, inputs and outputs, all a run's directory ever holds
+CONTROLLER_FILES = ("proposer.log", "diff.patch", "record.json")
 
 
 @dataclass
@@ -67,6 +88,14 @@ class Job:
     # --early-stop: the first step (training) is stopped when its curve is clearly behind the best's
     # (trust/curve.py: StopRule.to_dict); the job then ends there, `stopped` saying why
     stop_rule: dict | None = None
+    # Bytes of memory each step's processes may hold (runner.tree_memory) before they are killed: None for
+    # default_memory_limit(), 0 for none
+    memory_limit: int | None = None
+    # The files the steps may leave in out_dir besides their logs and inputs: after each step anything else there
+    # is removed (a checkpoint for a later run, a link, a directory), so a run's directory holds only what the
+    # controller expects. None: the names the steps and their environment give as {out}/NAME (the model, the
+    # result); a job that gives them the directory itself ({out} alone) keeps whatever they write.
+    outputs: tuple[str, ...] | None = None
 
 
 @dataclass
@@ -75,6 +104,7 @@ class StepResult:
     timed_out: bool
     wall_s: float
     log: Path
+    killed: str = ""  # stopped at its memory limit: the crash reason (runner.memory_note), else ''
 
 
 @dataclass
@@ -193,6 +223,19 @@ def git_link(workdir: Path) -> list[str]:
     return [str(workdir.resolve() / ".git")] if (workdir / ".git").exists() else []
 
 
+def default_memory_limit() -> int:
+    """MEMORY_SHARE of this machine's memory, or of the container's where its cgroup allows less."""
+    import psutil
+
+    total = psutil.virtual_memory().total
+    try:
+        limit = Path(CGROUP_LIMIT).read_text().strip()
+        total = min(total, int(limit)) if limit.isdigit() else total
+    except OSError:
+        pass
+    return int(total * MEMORY_SHARE)
+
+
 def run_steps(
     job: Job, workdir: Path, out: Path, slot_env: dict[str, str], cancel: threading.Event | None = None
 ) -> JobResult:
@@ -210,6 +253,11 @@ def run_steps(
     scratch = [Path(env[k]) for k in SCRATCH_DIRS if k in env and str(OUT) in job.env.get(k, "")]
     for path in scratch:
         path.mkdir(parents=True, exist_ok=True)
+    keep = _outputs(job, scratch, out)
+    if keep is not None:  # what an interrupted attempt left goes before this one starts
+        keep_only(out, keep, _scratch_names(scratch, out))
+    given = [p.name for p in out.iterdir() if p.name in (*CONTROLLER_FILES, *job.inputs) and _regular(p)]
+    memory = default_memory_limit() if job.memory_limit is None else job.memory_limit
     confined = None
     if job.sandbox is not None:
         if problem := sandbox_problem():
@@ -225,31 +273,53 @@ def run_steps(
             confined = {
                 "writable": [str(p) for p in writable],
                 "net": bool(job.sandbox.get("net")),
-                "read_only": [
+                "read_only": [  # (what the controller put in the run's directory stays as it put it)
                     *(str(Path(workdir).resolve() / p) for p in substitute_all(job.read_only, out)),
                     *git_link(Path(workdir)),
+                    *(str(out.resolve() / name) for name in given),
                 ],
+                "private": private_places(Path(workdir), out),
+                "shm_bytes": memory,
             }
     result = JobResult(device=gpu_name(env.get("CUDA_VISIBLE_DEVICES")), node=socket.gethostname())
     before = {name: sha256_of(workdir / name) for name in job.watch}
 
+    # Each step after the first gets scratch directories of its own (HOME, TMPDIR, kernel caches), made afresh
+    # outside the run directory: a step before it could plant files for it in a scratch they shared (a CUDA JIT
+    # cache under ~/.nv read by the evaluation's kernels). Sandboxed, the earlier step cannot see them at all.
+    fresh = {i: Path(tempfile.mkdtemp(prefix="autoloop-step-")) for i in range(1, len(job.steps))} if scratch else {}
+
     def step(i: int, **extra) -> RunResult:
         step_env = dict(env)
+        writable: list[str] = []
+        if i in fresh:
+            for key in SCRATCH_DIRS:
+                if key in env and str(OUT) in job.env.get(key, ""):
+                    (fresh[i] / key.lower()).mkdir(exist_ok=True)
+                    step_env[key] = str(fresh[i] / key.lower())
+            writable.append(str(fresh[i]))
         for key, value in (job.step_env[i] if i < len(job.step_env) else {}).items():
             if value is None:
                 step_env.pop(key, None)
             else:
                 step_env[key] = substitute(value, out, sys.executable)
         argv = [substitute(a, out, sys.executable) for a in job.steps[i]]
+        devices = gpu_devices(None if job.every_gpu else step_env.get("CUDA_VISIBLE_DEVICES"))
         if confined is not None:
-            hidden = job.step_hidden[i] if i < len(job.step_hidden) else ()
+            python = argv[0] if PYTHONS.match(os.path.basename(argv[0])) else ""
+            readable = [*readable_paths(step_env, python), *substitute_all(job.readable, out)]
+            hidden = [*substitute_all(job.step_hidden[i] if i < len(job.step_hidden) else (), out)]
+            if "HOME" in step_env and not _under(Path(step_env["HOME"]), out):  # the user's (no manifest)
+                cache, tokens = home_cache(step_env["HOME"])
+                readable, hidden = [*readable, *cache], [*hidden, *tokens]
             argv = sandboxed(
                 argv,
-                **confined,
-                hidden=substitute_all(hidden, out),
-                readable=[*readable_paths(step_env), *substitute_all(job.readable, out)],
-                devices=gpu_devices(None if job.every_gpu else step_env.get("CUDA_VISIBLE_DEVICES")),
+                **{**confined, "writable": [*confined["writable"], *writable]},
+                hidden=[*hidden, *hidden_paths(readable, step_env, python)],
+                readable=readable,
+                devices=devices,
             )
+        gpu = any(os.path.exists(d) for d in devices if d != "/dev/dri")  # (a render node: any graphics)
         return run_command(
             argv,
             workdir,
@@ -259,6 +329,8 @@ def run_steps(
             on_start=job.on_start,
             log_cap=job.log_cap,
             stdin_text=job.step_stdin[i] if i < len(job.step_stdin) else None,
+            memory_limit=memory,
+            address_limit=0 if gpu or not memory else memory * ADDRESS_FACTOR,
             **extra,
         )
 
@@ -278,7 +350,9 @@ def run_steps(
                     watches.append(curve)
                 stop = cancel if curve is None else _Either(curve.fired, cancel)
                 run = step(i, cancel=stop, on_output=_all(watches))
-            result.steps.append(StepResult(run.exit_code, run.timed_out, run.wall_s, out / job.logs[i]))
+            result.steps.append(StepResult(run.exit_code, run.timed_out, run.wall_s, out / job.logs[i], run.killed))
+            if keep is not None:  # (its processes are gone; one started early writes its own outputs only)
+                keep_only(out, keep, _scratch_names(scratch, out))
             by_rule = run.interrupted and curve is not None and curve.why and not (cancel and cancel.is_set())
             if run.interrupted and not by_rule:
                 result.interrupted = True
@@ -294,12 +368,72 @@ def run_steps(
     finally:
         if early is not None:  # never told to go (a failed step, a Ctrl-C): it ends unevaluated
             early.call_off()
+        if keep is not None:  # (after a Ctrl-C too; what a step started early and called off left too)
+            keep_only(out, keep)
+        for path in fresh.values():
+            shutil.rmtree(path, ignore_errors=True)
     for path in out.iterdir():
-        if path.is_file():
+        if _regular(path):
             result.ages[path.name] = path.stat().st_mtime - first_start
-    for name in ("home", "tmp"):  # the run's own HOME and TMPDIR: scratch
-        shutil.rmtree(out / name, ignore_errors=True)
+    for name in {"home", "tmp", *_scratch_names(scratch, out)}:  # the run's own HOME and TMPDIR: scratch
+        _remove(out / name)
     return result
+
+
+def _outputs(job: Job, scratch: list[Path], out: Path) -> set[str] | None:
+    """The names of files a step may leave in out (Job.outputs), or None where the job gives its steps the whole
+    of it."""
+    values = [*(a for s in job.steps for a in s), *job.env.values()]
+    values += [v for e in job.step_env for v in e.values() if v is not None]
+    if job.outputs is None and any(re.search(re.escape(OUT) + r"(?!/[^/])", v) for v in values):
+        return None
+    named = job.outputs
+    if named is None:
+        named = tuple(m for v in values for m in re.findall(re.escape(OUT) + r"/([^/\s]+)", v))
+    return {*job.logs, *job.inputs, *CONTROLLER_FILES, *named} - set(_scratch_names(scratch, out))
+
+
+def _scratch_names(scratch: list[Path], out: Path) -> list[str]:
+    """The directories of out that are the steps' scratch (HOME, TMPDIR): theirs until the job ends."""
+    return [p.relative_to(out).parts[0] for p in scratch if _under(p, out) and p != out]
+
+
+def keep_only(out: Path, files: set[str], dirs: Iterable[str] = ()) -> None:
+    """Remove from out every entry but the regular files named in `files` and the directories named in `dirs`,
+    never following a link: a link, a directory or a FIFO where a model or a log should be goes too."""
+    try:
+        entries = list(os.scandir(out))
+    except OSError:
+        return
+    for entry in entries:
+        if entry.name in files and entry.is_file(follow_symlinks=False):
+            continue
+        if entry.name in dirs and entry.is_dir(follow_symlinks=False):
+            continue
+        _remove(Path(entry.path))
+
+
+def _regular(path: Path) -> bool:
+    return path.is_file() and not path.is_symlink()
+
+
+def _remove(path: Path) -> None:
+    """Remove a file, link or directory tree, never following a link."""
+    try:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
+def _under(path: Path, root: Path) -> bool:
+    try:
+        path.relative_to(root)
+        return True
+    except ValueError:
+        return False
 
 
 def _all(watches: list[Callable[[bytes], None]]) -> Callable[[bytes], None] | None:

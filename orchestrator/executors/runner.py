@@ -33,6 +33,11 @@ LOG_CAP_BYTES = 64 << 20  # a run's log keeps its first and last half of this mu
 FLUSH_S = 0.5  # how often a capped log's tail is written out while the run goes on
 CANCEL_TICK_S = 0.05  # how often a command that may be stopped looks whether it was
 GATE_TICK_S = 0.02  # how often a command started early checks whether it may have its stdin
+MEMORY_TICK_S = 0.25  # how often the memory a command's processes hold is measured (under a memory limit)
+GIB = 1 << 30
+# What a process prints when an allocation fails (Python, torch's CPU allocator, C++, glibc): under an address
+# space limit, the limit's doing
+ALLOCATION_FAILED = (b"MemoryError", b"can't allocate memory", b"Cannot allocate memory", b"std::bad_alloc")
 
 
 class CappedLog:
@@ -175,6 +180,47 @@ class RunResult:
     wall_s: float
     log_path: Path
     interrupted: bool = False
+    killed: str = ""  # why it ended at a limit of ours other than the timeout ("memory limit: ..."), else ''
+
+
+def tree_memory(pid: int) -> int:
+    """Bytes of memory the process tree under pid holds that only it can give back: anonymous and shared memory,
+    each page shared between its processes (forked workers) counted once (PSS); file pages the kernel may drop
+    (a memory-mapped dataset) are not counted."""
+    total = 0
+    for proc in [pid, *(p.pid for p in _descendants(pid))]:
+        total += _held(proc)
+    return total
+
+
+def _held(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
+            fields = dict(line.split(b":", 1) for line in f.read().splitlines()[1:] if b":" in line)
+        if b"Pss_Anon" in fields:
+            return sum(int(fields.get(k, b"0 kB").split()[0]) for k in (b"Pss_Anon", b"Pss_Shmem")) << 10
+        return int(fields[b"Pss"].split()[0]) << 10
+    except (OSError, KeyError, ValueError):
+        pass
+    try:  # an older kernel, or a process we may not inspect: resident less file-backed pages
+        with open(f"/proc/{pid}/statm", "rb") as f:
+            _, resident, shared = (int(v) for v in f.read().split()[:3])
+        return max(0, resident - shared) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+def memory_note(limit: int, used: int | None = None) -> str:
+    """The crash reason of a command stopped at its memory limit (a line of its log, a run's crash reason)."""
+    if used is None:  # under an address space limit (no GPU)
+        return f"autoloop: out of memory: the step reached its memory limit of {size(limit)} of address space"
+    return f"autoloop: out of memory: the step reached its memory limit of {size(limit)}: its processes held " + (
+        f"{size(used)} and were killed"
+    )
+
+
+def size(n: int) -> str:
+    return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n >> 20} MiB"
 
 
 def _descendants(pid: int) -> list[psutil.Process]:
@@ -247,12 +293,16 @@ LEFTOVER_GRACE_S = 0.5  # after the command exited: SIGTERM its leftovers, this 
 REAPER = sys.platform.startswith("linux")  # prctl: elsewhere the command runs directly (its group is killed)
 
 
-def under_reaper(cmd: list[str]) -> list[str]:
-    """cmd run under the reaper (which knows the controller's pid: it ends the tree if the controller is gone)."""
+def under_reaper(cmd: list[str], address_limit: int = 0) -> list[str]:
+    """cmd run under the reaper (which knows the controller's pid: it ends the tree if the controller is gone),
+    its address space limited to address_limit bytes (0: not)."""
     if not REAPER:
         return cmd
     site = os.path.dirname(os.path.dirname(psutil.__file__))
-    return [sys.executable, "-I", "-S", os.path.abspath(__file__), site, str(os.getpid()), "--", *cmd]
+    return [
+        *(sys.executable, "-I", "-S", os.path.abspath(__file__), site),
+        *(str(os.getpid()), str(address_limit), "--", *cmd),
+    ]
 
 
 def _prctl(option: int, value: int) -> None:
@@ -304,15 +354,29 @@ def _exit_as(code: int | None) -> None:
     os._exit(1 if code is None or code < 0 else code)
 
 
+def _limit_memory(address_limit: int) -> None:
+    """What the command inherits: an address space limit (an allocation past it fails at once, in the process
+    that asked), and the first place in the kernel's choice of what to kill when the machine runs out of memory
+    (never the controller)."""
+    if address_limit > 0:
+        resource.setrlimit(resource.RLIMIT_AS, (address_limit, address_limit))
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
+    except OSError:
+        pass
+
+
 def reap(argv: list[str]) -> None:
-    """The reaper's main: `CONTROLLER_PID -- COMMAND...`. Signals are taken synchronously (sigwaitinfo), so
-    none can land between starting the command and knowing its pid."""
-    parent, cmd = int(argv[0]), argv[2:]
+    """The reaper's main: `CONTROLLER_PID ADDRESS_LIMIT -- COMMAND...`. Signals are taken synchronously
+    (sigwaitinfo), so none can land between starting the command and knowing its pid."""
+    parent, address_limit, cmd = int(argv[0]), int(argv[1]), argv[3:]
     signal.pthread_sigmask(signal.SIG_BLOCK, {*STOP_SIGNALS, signal.SIGCHLD})
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != parent:  # the controller died before PDEATHSIG was armed
         os._exit(1)
+    _limit_memory(address_limit)
     try:  # the command gets our stdin (a nonce), output and environment; default signal mask and SIGPIPE
         pid = os.posix_spawnp(
             cmd[0], cmd, os.environ, setsigmask=(), setsigdef=(signal.SIGPIPE, signal.SIGXFSZ, *STOP_SIGNALS)
@@ -347,6 +411,8 @@ def run_command(
     stdin_text: str | None = None,
     on_output: Callable[[bytes], None] | None = None,
     stdin_gate: threading.Event | None = None,
+    memory_limit: int = 0,
+    address_limit: int = 0,
 ) -> RunResult:
     """Run cmd with stdout+stderr to log_path (capped: CappedLog) in a new session, under the reaper; never
     raises for the command's failures. The pid on_start gets is the reaper's (its tree is the run's).
@@ -355,14 +421,16 @@ def run_command(
     exit the reaper ends whatever the command left (its group is killed too), so nothing outlives an experiment.
     on_output sees the output as it comes. With stdin_gate, stdin_text is written only once the gate opens, and
     the timeout counts from then (the command may get ready before it is told to go); a cancel before that
-    closes stdin unwritten.
+    closes stdin unwritten. Under a memory_limit (bytes; 0: none) the tree is killed once its processes hold more
+    (tree_memory); under an address_limit (Linux) its allocations past that fail. Either way `killed` says so, and
+    so does the log's last line.
     """
     log_path.parent.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     read_end, write_end = os.pipe()
     try:
         proc = subprocess.Popen(
-            under_reaper(cmd),
+            under_reaper(cmd, address_limit),
             cwd=cwd,
             env=env,
             stdout=write_end,
@@ -387,8 +455,9 @@ def run_command(
         on_start(proc.pid)
     written = stdin_text is None
     timed_out = interrupted = False
+    killed = ""
     reaped: dict[int, int | None] = {}
-    ticked = time.monotonic()
+    ticked = measured = time.monotonic()
     try:
         while True:
             if not written and (stdin_gate is None or stdin_gate.is_set()):
@@ -400,6 +469,8 @@ def run_command(
                 tick = tick_s if written else min(tick_s, GATE_TICK_S)  # held at the gate: look often
                 if cancel is not None:  # a stop (early stopping's, the user's) lands within CANCEL_TICK_S
                     tick = min(tick, CANCEL_TICK_S)
+                if memory_limit:
+                    tick = min(tick, MEMORY_TICK_S)
                 proc.wait(timeout=max(0.01, min(tick, timeout_s - elapsed)))
                 break
             except subprocess.TimeoutExpired:
@@ -416,6 +487,13 @@ def run_command(
                     reaped = kill_tree(proc.pid, pgid)
                     _reap(proc)
                     break
+                if memory_limit and time.monotonic() - measured >= MEMORY_TICK_S:
+                    measured = time.monotonic()
+                    if (used := tree_memory(proc.pid)) > memory_limit:
+                        killed = memory_note(memory_limit, used)
+                        reaped = kill_tree(proc.pid, pgid, grace_s=0.5)  # it may grow on while it dies
+                        _reap(proc)
+                        break
                 if on_tick is not None and time.monotonic() - ticked >= tick_s:
                     ticked = time.monotonic()
                     on_tick(ticked - start)
@@ -428,10 +506,48 @@ def run_command(
         if not interrupted and not timed_out:
             kill_tree(proc.pid, pgid, grace_s=0.5)  # leftovers of a finished run
         pump.join(REAP_S)  # the tree is gone: the pipe is at its end (a process stuck in the kernel aside)
-    code = reaped.get(proc.pid, proc.returncode) if (timed_out or interrupted) else proc.returncode
+    code = reaped.get(proc.pid, proc.returncode) if (timed_out or interrupted or killed) else proc.returncode
+    if not killed and address_limit and REAPER and code != 0 and _allocation_failed(log_path):
+        killed = memory_note(address_limit)
+    if killed and not pump.is_alive():  # every process of the run is gone: nothing can swap the log any more
+        _append(log_path, f"\n{killed}\n")
     return RunResult(
-        exit_code=code, timed_out=timed_out, wall_s=time.monotonic() - start, log_path=log_path, interrupted=interrupted
+        exit_code=code,
+        timed_out=timed_out,
+        wall_s=time.monotonic() - start,
+        log_path=log_path,
+        interrupted=interrupted,
+        killed=killed,
     )
+
+
+def _allocation_failed(log_path: Path, tail: int = 1 << 16) -> bool:
+    """The end of the log says an allocation failed."""
+    try:
+        fd = os.open(log_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        size = os.fstat(fd).st_size
+        data = os.pread(fd, tail, max(0, size - tail))
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return any(sign in data for sign in ALLOCATION_FAILED)
+
+
+def _append(log_path: Path, text: str) -> None:
+    try:
+        fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return
+    try:
+        _write_all(fd, text.encode(), os.fstat(fd).st_size)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 if __name__ == "__main__":

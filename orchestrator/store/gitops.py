@@ -23,7 +23,7 @@ import git
 
 from .. import LoopError
 
-PROTECTED = ("train.py", "prepare.py")
+PROTECTED = ("train.py", "prepare.py", "evaluate.py")
 GIT_TIMEOUT_S = 120.0  # any git command of the loop that takes longer is stuck (a lock, a filesystem gone)
 IDENTITY = ("-c", "user.name=autoloop", "-c", "user.email=autoloop@localhost")
 # The user's git config must not break or hang the loop at 2 a.m.: no signing (a signer may prompt), no hooks
@@ -312,7 +312,7 @@ def open_repo(path: Path) -> git.Repo:
 
 
 def require_clean(repo: git.Repo, files=PROTECTED) -> None:
-    """Refuse to start when train.py / prepare.py differ from HEAD: the loop starts from a commit."""
+    """Refuse to start when train.py / prepare.py / evaluate.py differ from HEAD: the loop starts from a commit."""
     dirty = [f for f in files if repo.git.status("--porcelain", "--", f).strip()]
     if dirty:
         names = " and ".join(dirty)

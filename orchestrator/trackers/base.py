@@ -214,18 +214,23 @@ def session_totals(ws: Workspace, state: State) -> dict[str, object]:
     """The session's counts, baseline, spend (the proposer's every request, from the spend ledger) and what it
     bought with its compute (`autoloop report`'s improvement per training hour and ideas judged per hour): the
     parent run's tags (MLflow), summary (W&B) or text (TensorBoard); its metrics are the series val_bpb and
-    best_val_bpb by experiment."""
+    best_val_bpb by experiment. `holdout_disagrees`: the warning when the held-out check disagrees with
+    validation beyond the noise (core/holdout.py: disagreement), absent when it agrees."""
+    from ..core.holdout import disagreement
     from ..views.report import read_holdout, read_verify, value  # pandas: only when a tracker is on
 
     counts = {s.value: sum(r.status == s for r in state.records) for s in Status}
+    holdout = read_holdout(ws.paths)
+    flag = disagreement(holdout, state.spread().sd)
     return {
+        **({"holdout_disagrees": flag} if flag else {}),
         **verify_totals(read_verify(ws.paths)),
         "experiments": state.done,
         **counts,
         "baseline_val_bpb": state.baseline_bpb,
         "llm_tokens": ws.spend.tokens,
         "llm_cost_usd": ws.spend.cost,
-        **value(state, read_holdout(ws.paths)),
+        **value(state, holdout),
     }  # best_val_bpb: the last of its history
 
 

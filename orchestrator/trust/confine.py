@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import atexit
 import glob
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -147,7 +149,7 @@ _ISOLATE = (
 # A user namespace, strongest first: where the kernel or a container forbids one the step keeps our uid (still
 # without capabilities); --disable-userns (bubblewrap 0.8) keeps the step from making one of its own.
 _USERNS = (("--unshare-user", "--disable-userns"), ("--unshare-user",), ())
-FULL = {"bwrap": "bwrap", "userns": _USERNS[0], "perms": True}  # what the probe finds on a recent Linux
+FULL = {"bwrap": "bwrap", "userns": _USERNS[0], "perms": True, "size": True}  # what the probe finds on a recent Linux
 # Emptied for every step: where the host's Unix sockets live (tmux, ssh-agent, docker, D-Bus; the network
 # namespace covers abstract ones) and its shared memory. Read-only but /dev/shm, which a step's own processes
 # share (DataLoader workers, semaphores).
@@ -161,10 +163,73 @@ NVIDIA_SHARED = (
     "/dev/nvidia-caps",
 )  # -caps: MIG instances
 ROCM = ("/dev/kfd", "/dev/dri")
-# Variables of a run's environment naming what it reads: bound back read-only where they lie under a mask
+# Deny by default: a step's filesystem starts empty (bubblewrap's own root, read-only once built) and holds only
+# what a Python and torch need to run, the step's own directories and what it is given to read: not the
+# repository (its .autoloop/: other runs' checkpoints and models, verify runs, other sessions), not HOME, not the
+# machine's other Pythons (their test suites hold the offline corpus's scored text byte for byte).
+SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")  # read-only; a link (merged /usr) stays one
+# Of /etc, what a process reads to start (the loader's cache), to name users, resolve hosts, check certificates
+# and find its drivers: not the rest of the machine's configuration, nor its secrets (shadow, ssh host keys)
+ETC = (
+    "ld.so.cache",
+    "ld.so.conf",
+    "ld.so.conf.d",
+    "ld.so.preload",
+    "passwd",
+    "group",
+    "nsswitch.conf",
+    "hosts",
+    "host.conf",
+    "resolv.conf",
+    "gai.conf",
+    "services",
+    "protocols",
+    "networks",
+    "localtime",
+    "timezone",
+    "locale.alias",
+    "locale.conf",
+    "ssl",
+    "ca-certificates",
+    "ca-certificates.conf",
+    "pki",
+    "crypto-policies",
+    "alternatives",
+    "os-release",
+    "lsb-release",
+    "debian_version",
+    "redhat-release",
+    "system-release",
+    "mime.types",
+    "fonts",
+    "matplotlibrc",
+    "OpenCL",
+    "vulkan",
+    "nvidia",
+    "glvnd",
+    "python[0-9]*",  # Debian's sitecustomize lives there
+)
+SYSFS = "/sys"  # read-only: torch and CUDA read the CPU and PCI topology there
+# The test suites of a standard library (prepare.py's HELD_DIRS): what the offline corpora score on. Hidden from
+# every step (nothing a run or the evaluation imports lies in them), whatever the manifest says.
+STDLIB_HELD = frozenset({"test", "tests", "idle_test"})
+# Where a prefix (or /usr) keeps a Python's library tree: each one that is not the step's Python's is hidden, and a
+# conda base's other environments and package cache with it
+PYTHON_TREES = (
+    "lib/python[0-9]*",
+    "lib32/python[0-9]*",
+    "lib64/python[0-9]*",
+    "local/lib/python[0-9]*",
+    "local/lib64/python[0-9]*",
+    "share/python[0-9]*",
+    "share/pyshared",
+    "envs",
+    "pkgs",
+)
+# Variables of a run's environment naming what it reads: bound read-only (the user site comes with the Python:
+# python_env; its whole base, PYTHONUSERBASE, holds other Pythons' packages and the user's keyrings)
 READ_VARS = (
     "AUTOLOOP_CACHE",
-    "PYTHONUSERBASE",
     "VIRTUAL_ENV",
     "CONDA_PREFIX",
     "HF_HOME",
@@ -176,6 +241,13 @@ READ_VARS = (
     "CURL_CA_BUNDLE",
 )
 READ_LIST_VARS = ("PYTHONPATH", "LD_LIBRARY_PATH")
+HF_SECRETS = ("token", "stored_tokens")  # in HF_HOME: the user's Hugging Face tokens
+# A harness without a manifest keeps the user's HOME for its steps (upstream's reads its data from
+# ~/.cache/autoresearch): of HOME they see this directory, read-only, without the Hugging Face tokens in it
+HOME_CACHE = ".cache"
+# What of a step's environment decides which Python environment it gets (python_env's cache key)
+PYTHON_VARS = ("PYTHONPATH", "PYTHONHOME", "PYTHONUSERBASE", "PYTHONNOUSERSITE", "VIRTUAL_ENV", "CONDA_PREFIX")
+_PYTHONS: dict[tuple, dict] = {}  # python_env's answers, per interpreter and environment
 
 
 def sandbox_problem() -> str:
@@ -205,7 +277,12 @@ def _probe() -> dict:
         if missing := [o for o in userns if known and o not in known]:  # an older bubblewrap: no need to try
             errors.append(f"this bubblewrap has no {' '.join(missing)}")
             continue
-        machine = {"bwrap": bwrap, "userns": userns, "perms": not known or "--perms" in known}
+        machine = {
+            "bwrap": bwrap,
+            "userns": userns,
+            "perms": not known or "--perms" in known,
+            "size": not known or "--size" in known,
+        }
         try:
             proc = subprocess.run(
                 _command(machine, ["true"], [], False, [], [], [], gpu_devices(None)),
@@ -281,18 +358,134 @@ def _nvidia_nodes() -> list[str]:
     return [f"/dev/nvidia{minor}" for minor in minors]
 
 
-def python_paths() -> list[str]:
-    """Where this Python and its packages live: a step runs our interpreter ({python})."""
-    paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable))}
-    return sorted(paths | {p for p in sys.path if os.path.isabs(p)})
+_QUERY = """import json, os, sys, sysconfig
+paths = sysconfig.get_paths()
+print(json.dumps({"prefixes": [sys.prefix, sys.base_prefix, sys.exec_prefix],
+    "bin": os.path.dirname(os.path.realpath(sys.executable)), "path": [p for p in sys.path if os.path.isabs(p)],
+    "stdlib": [paths["stdlib"], paths["platstdlib"]], "include": [paths["include"], paths["platinclude"]],
+    "libdir": sysconfig.get_config_var("LIBDIR") or ""}))
+"""
 
 
-def readable_paths(env: dict[str, str]) -> list[str]:
-    """What a step with this environment reads besides the system: our Python, the prepared data
+def python_env(python: str = "", env: Mapping[str, str] | None = None) -> dict:
+    """Where the Python a step runs (`python`, default ours) reads from with the step's environment: its prefixes,
+    its sys.path (site-packages, the user site, PYTHONPATH, what .pth files add), its headers (a compile needs them)
+    and its standard library; asked once per interpreter and environment. Not a Python (or one that fails): ours."""
+    python = python or sys.executable
+    env = dict(os.environ if env is None else env)
+    key = (python, *(env.get(k) for k in PYTHON_VARS), None if env.get("PYTHONUSERBASE") else env.get("HOME"))
+    if key not in _PYTHONS:
+        _PYTHONS[key] = _ask(python, env) or (python_env("", env) if python != sys.executable else _ours())
+    return _PYTHONS[key]
+
+
+def _ask(python: str, env: dict[str, str]) -> dict | None:
+    try:  # from /, so that sys.path[0] is no directory of ours
+        proc = subprocess.run([python, "-c", _QUERY], capture_output=True, text=True, timeout=60, env=env, cwd="/")
+        return json.loads(proc.stdout) if proc.returncode == 0 else None
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return None
+
+
+def _ours() -> dict:
+    """This process's Python (its sys.path without the directory it was started from)."""
+    paths = sysconfig.get_paths()
+    return {
+        "prefixes": [sys.prefix, sys.base_prefix, sys.exec_prefix],
+        "bin": os.path.dirname(os.path.realpath(sys.executable)),
+        "path": [p for p in sys.path[1:] if os.path.isabs(p)],
+        "stdlib": [paths["stdlib"], paths["platstdlib"]],
+        "include": [paths["include"], paths["platinclude"]],
+        "libdir": sysconfig.get_config_var("LIBDIR") or "",
+    }
+
+
+def python_paths(python: str = "", env: Mapping[str, str] | None = None) -> list[str]:
+    """Where the step's Python and its packages live (default: ours, {python})."""
+    found = python_env(python, env)
+    paths = [*found["prefixes"], found["bin"], *found["path"], *found["include"], found["libdir"]]
+    return sorted({p for p in paths if p and os.path.isabs(p)})
+
+
+def readable_paths(env: dict[str, str], python: str = "") -> list[str]:
+    """What a step with this environment reads besides the system: its Python, the prepared data
     (AUTOLOOP_CACHE), its PYTHONPATH and the like."""
     paths = [env[k] for k in READ_VARS if env.get(k)]
     paths += [p for k in READ_LIST_VARS for p in env.get(k, "").split(os.pathsep) if p]
-    return [*python_paths(), *(p for p in paths if os.path.isabs(p))]
+    return [*python_paths(python, env), *(p for p in paths if os.path.isabs(p))]
+
+
+def home_cache(home: str) -> tuple[list[str], list[str]]:
+    """(readable, hidden) for a step whose HOME is the user's: HOME_CACHE, less the Hugging Face tokens."""
+    if not os.path.isabs(home) or home == "/":
+        return [], []
+    cache = os.path.join(home, HOME_CACHE)
+    return [cache], [os.path.join(cache, "huggingface", name) for name in HF_SECRETS]
+
+
+def hidden_paths(readable: Iterable[str], env: Mapping[str, str], python: str = "") -> list[str]:
+    """What no step reads within what it may read: the test suites of its Python's standard library, the library
+    trees of the machine's other Pythons (under /usr and under what is bound), the user's Hugging Face tokens."""
+    found = python_env(python, env)
+    ours = [os.path.realpath(p) for p in (*found["path"], *found["stdlib"], found["bin"]) if p]
+    ours = [p for p in ours if p != "/"]  # (an empty PYTHONPATH entry asked from /: it holds every tree)
+    hidden = list(_stdlib_tests(tuple(found["stdlib"])))
+    for root in _unique([*SYSTEM, *(p for p in readable if os.path.isabs(p) and p != "/")]):
+        for pattern in PYTHON_TREES:
+            hidden += [t for t in glob.glob(os.path.join(root, pattern)) if os.path.isdir(t) and not _holds(t, ours)]
+    hidden += [os.path.join(env[k], name) for k in ("HF_HOME",) if env.get(k) for name in HF_SECRETS]
+    return hidden
+
+
+def _holds(tree: str, ours: list[str]) -> bool:
+    """tree is or holds a directory of the step's Python (/usr/lib/python3 holds Debian's dist-packages)."""
+    real = os.path.realpath(tree)
+    return any(_under(p, [real]) for p in ours)
+
+
+_STDLIB_TESTS: dict[tuple[str, ...], list[str]] = {}
+
+
+def _stdlib_tests(stdlib: tuple[str, ...]) -> list[str]:
+    """The outermost STDLIB_HELD directories of a standard library (its site-packages aside), found once."""
+    if stdlib not in _STDLIB_TESTS:
+        found: set[str] = set()
+        for root in {os.path.realpath(p) for p in stdlib if p}:
+            for top, dirs, _ in os.walk(root):
+                dirs[:] = [d for d in dirs if d not in ("site-packages", "dist-packages", "__pycache__")]
+                found.update(os.path.join(top, d) for d in dirs if d in STDLIB_HELD)
+                dirs[:] = [d for d in dirs if d not in STDLIB_HELD]
+        _STDLIB_TESTS[stdlib] = sorted(found)
+    return _STDLIB_TESTS[stdlib]
+
+
+def private_places(*places: Path) -> list[str]:
+    """What no step may see even where something it reads holds it: the repository each of `places` (a run's
+    directory, its worktree) belongs to with its .autoloop/ state, found from a `.autoloop` above it or from the
+    worktree's git link, and the controller's HOME."""
+    found = {str(Path.home())}
+    for place in places:
+        place = Path(place).resolve()
+        found.update(str(p.parent) for p in (place, *place.parents) if p.name == ".autoloop")
+        if (repo := _repository_of(place)) is not None:
+            found.add(str(repo))
+    return sorted(p for p in found if p != "/")
+
+
+def _repository_of(worktree: Path) -> Path | None:
+    """The repository whose worktree this is (its .git a link to <repo>/.git/worktrees/<name>), or None."""
+    try:
+        text = (worktree / ".git").read_text(errors="replace") if (worktree / ".git").is_file() else ""
+    except OSError:
+        return None
+    if not text.startswith("gitdir:"):
+        return None
+    gitdir = (worktree / text[len("gitdir:") :].strip()).resolve()
+    try:
+        common = (gitdir / (gitdir / "commondir").read_text().strip()).resolve()
+    except OSError:
+        return None
+    return common.parent if common.name == ".git" else None
 
 
 def sandboxed(
@@ -303,11 +496,15 @@ def sandboxed(
     hidden: Iterable[str] = (),
     read_only: Iterable[str] = (),
     devices: Iterable[str] | None = None,
+    private: Iterable[str] = (),
+    shm_bytes: int = 0,
 ) -> list[str]:
-    """cmd run by bubblewrap: the filesystem read-only but `writable`, and within those `read_only`; empty
-    /tmp, /var/tmp, /run, /dev/shm and $XDG_RUNTIME_DIR, with `readable` bound back where it lies in one;
-    `hidden` files read as empty, hidden directories as empty ones; of /dev, the basic nodes and `devices`
-    (default: gpu_devices(None)); no network unless `net`; no capability, no process of ours in sight.
+    """cmd run by bubblewrap in a filesystem of its own: the system (SYSTEM, a few files of /etc, /sys) and
+    `readable` read-only, `writable` writable and within those `read_only`; nothing else. Within what it reads,
+    `private` places (the repository, HOME) are empty, and `hidden` files read as empty, hidden directories as
+    empty ones; empty /tmp, /var/tmp, /run, and a /dev/shm of `shm_bytes` at most (0: the kernel's default,
+    half the memory). Of /dev, the basic nodes and `devices` (default:
+    gpu_devices(None)); no network unless `net`; no capability, no process of ours in sight.
     The step's processes stay under ours and end with its first: a timeout still kills all of them."""
     sandbox_problem()  # which bwrap, and whether a user namespace can be made here
     return _command(
@@ -319,6 +516,8 @@ def sandboxed(
         hidden,
         read_only,
         gpu_devices(None) if devices is None else devices,
+        private,
+        shm_bytes,
     )
 
 
@@ -331,20 +530,21 @@ def _command(
     hidden: Iterable[str],
     read_only: Iterable[str],
     devices: Iterable[str],
+    private: Iterable[str] = (),
+    shm_bytes: int = 0,
 ) -> list[str]:
-    """The bwrap command line. Order matters: a later mount lies on top of an earlier one (the masks, then what
-    is bound back into them, then the writable directories, then what stays read-only or hidden within those)."""
-    masks = _masks()
-    if net:  # /etc/resolv.conf may point into /run (systemd-resolved)
-        readable = [*readable, os.path.realpath("/etc/resolv.conf")]
+    """The bwrap command line. Order matters: a later mount lies on top of an earlier one (the system, the masks,
+    what is read, the private places within that, what is read within those, then the writable directories, then
+    what stays read-only or hidden within them; last, all but /dev/shm made read-only, the root too)."""
+    masks, writable = _masks(), list(writable)
+    readable = [p for p in _forms(readable) if _bindable(p)]
+    private = [p for p in _forms(private) if os.path.isdir(p) and any(_under(p, [r]) for r in readable)]
     args = [
         machine["bwrap"],
-        "--ro-bind",
-        "/",
-        "/",
         *machine["userns"],
         *_ISOLATE,
         *([] if net else ["--unshare-net"]),
+        *_system(),
         "--proc",
         "/proc",
         "--dev",
@@ -352,14 +552,44 @@ def _command(
     ]
     args += [a for d in _unique(devices) for a in ("--dev-bind-try", d, d)]
     sticky = ["--perms", "01777"] if machine["perms"] else []  # bubblewrap 0.5; for a setuid one without userns
+    # a step's files in /dev/shm are memory that none of its processes holds (the memory limit's blind spot)
+    sticky += ["--size", str(shm_bytes)] if shm_bytes and machine.get("size") else []
     args += [a for m in masks for a in (*(sticky if m == SHARED_MEMORY else []), "--tmpfs", m)]
     # (never a mask itself: AUTOLOOP_CACHE=/tmp would bring back every socket in /tmp)
-    args += [a for p in _forms(readable) if _under(p, masks) and p not in masks for a in ("--ro-bind-try", p, p)]
+    args += [a for p in readable if p not in masks and not _under(p, private) for a in ("--ro-bind-try", p, p)]
+    args += [a for p in private for a in ("--tmpfs", p)]
+    args += [a for p in readable if _under(p, private) and p not in private for a in ("--ro-bind-try", p, p)]
     args += [a for p in _unique(os.path.abspath(w) for w in writable) for a in ("--bind", p, p)]
     args += [a for p in _forms(read_only) if os.path.lexists(p) for a in ("--ro-bind-try", p, p)]
-    args += [a for p in _forms(hidden) if os.path.lexists(p) for a in _hide(p)]
-    args += [a for m in masks if m != SHARED_MEMORY for a in ("--remount-ro", m)]
-    return [*args, "--", *cmd]
+    args += [a for p in _hidden(hidden, [*SYSTEM, *readable, *writable]) for a in _hide(p)]
+    args += [a for m in [*masks, *private] if m != SHARED_MEMORY for a in ("--remount-ro", m)]
+    return [*args, "--remount-ro", "/", "--", *cmd]
+
+
+def _hidden(hidden: Iterable[str], visible: list[str]) -> list[str]:
+    """What to hide: only what the sandbox holds (an unbound place is not there anyway), and not what lies in a
+    directory hidden already (it cannot be made in an emptied, read-only one)."""
+    found = [p for p in _forms(hidden) if os.path.lexists(p) and _under(p, _forms(visible))]
+    dirs = [p for p in found if os.path.isdir(p) and not os.path.islink(p)]
+    return [p for p in found if not any(p != d and _under(p, [d]) for d in dirs)]
+
+
+def _system() -> list[str]:
+    """The system read-only (a top-level link, as /bin -> usr/bin, made again), the files of ETC, /sys."""
+    args: list[str] = []
+    for path in SYSTEM:
+        if os.path.islink(path):
+            args += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            args += ["--ro-bind", path, path]
+    names = sorted({p for pattern in ETC for p in glob.glob(os.path.join("/etc", pattern))})
+    args += [a for p in names for a in ("--ro-bind-try", p, p)]
+    return [*args, *(["--ro-bind", SYSFS, SYSFS] if os.path.isdir(SYSFS) else [])]
+
+
+def _bindable(path: str) -> bool:
+    """Never / (it would bring back everything), nor what the sandbox makes itself."""
+    return os.path.isabs(path) and path != "/" and not _under(path, ("/proc", "/dev", SYSFS))
 
 
 def _masks() -> list[str]:

@@ -24,7 +24,11 @@ if os.path.exists("prepare.py"):
                 dataset=getattr(prepare, "DATASET", None), smoke_warning=getattr(prepare, "SMOKE_TEST_WARNING", None),
                 vocab=getattr(prepare, "VOCAB_SIZE", None),
                 cache=str(getattr(prepare, "CACHE_DIR", "") or ""), result_file=hasattr(prepare, "_write_result"),
-                exported=hasattr(prepare, "load_exported"), export_line=getattr(prepare, "EXPORT_LINE", None))
+                exported=hasattr(prepare, "load_exported") or os.path.exists("evaluate.py"),
+                evaluator="evaluate.py" if os.path.exists("evaluate.py") and hasattr(prepare, "EVAL_ROWS")
+                else "prepare.py" if hasattr(prepare, "load_exported") else "",
+                export_line=getattr(prepare, "EXPORT_LINE", None))
+    info["result_file"] = info["result_file"] or info["evaluator"] == "evaluate.py"
 if "torch" in sys.argv[1:] or "torch" in sys.modules:  # torch's view of CUDA (free when prepare imported it)
     try:
         import torch
@@ -51,6 +55,7 @@ class HarnessInfo:
     vocab: int | None = None  # the tokenizer's vocabulary (VOCAB_SIZE), for size estimates
     exported: bool = False  # the evaluation scores an exported graph and never runs train.py's code (protected)
     export_line: str | None = None  # what train.py prints as the export begins: the evaluation may start then
+    evaluator: str = ""  # the file that scores the exported graph: evaluate.py, or (older harnesses) prepare.py
 
 
 def sha256_file(path: Path) -> str:
@@ -113,6 +118,7 @@ def query(workdir: Path, env: dict[str, str], torch: bool = False) -> HarnessInf
         data.get("vocab") if isinstance(data.get("vocab"), int) else None,
         bool(data.get("exported")),
         data.get("export_line") if isinstance(data.get("export_line"), str) else None,
+        data.get("evaluator") if data.get("evaluator") in ("evaluate.py", "prepare.py") else "",
     )
 
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import pandas as pd
 
+from ..core.holdout import disagreement
 from ..core.state import Decision, State, Status, group_of, load_state, replay
 from ..store.ledger import Record, read_record
 from ..store.session import Paths
@@ -81,6 +82,7 @@ def facts(paths: Paths) -> dict:
         "llm_tokens": tokens,
         "llm_cost": cost,
         "holdout": holdout,
+        "holdout_disagrees": disagreement(holdout, state.spread().sd),  # '' when it agrees (or no check)
         "verify": read_verify(paths),
     }
 
@@ -394,6 +396,8 @@ def markdown(f: dict, diff: str, image: str | None) -> str:
             f"({f['delta']:+.6f}, {f['delta_percent']:+.2f}%) at `{f['best_commit']}`",
             "",
         ]
+    if f.get("holdout_disagrees"):
+        lines += [f"> **Warning:** {f['holdout_disagrees']}", ""]
     lines += [
         f"- experiments: {f['experiments']} ({f['keep']} keep, {f['discard']} discard, {f['crash']} crash); "
         f"keep rate {100 * f['keep_rate']:.1f}%",

@@ -6,10 +6,12 @@ import time
 from pathlib import Path
 
 from .. import LoopError
+from ..core.holdout import disagreement
 from ..core.progress import last_step
 from ..core.state import load_state
 from ..store.ledger import read_rows
 from ..store.session import Paths, is_locked, latest_tag, read_status
+from ..trust.evaluation import holdout_text
 
 
 def collect(repo: Path, tag: str | None) -> dict:
@@ -40,6 +42,7 @@ def collect(repo: Path, tag: str | None) -> dict:
         "slots": [],
         "recent": [r.__dict__ for r in rows[-5:]],
         "verify": verify_status(paths),
+        "holdout": holdout_status(paths, spread.sd),
     }
     busy = status.get("running") or []
     if running and len(busy) == 1:  # one run: the current experiment
@@ -101,6 +104,20 @@ def verify_status(paths: Paths) -> dict | None:
     }
 
 
+def holdout_status(paths: Paths, sigma: float | None) -> dict | None:
+    """The held-out check for `status` (None before one was made): its line, and `disagrees`, the warning when
+    the best is much better on validation than held out (core/holdout.py: disagreement; '' when it agrees)."""
+    import json
+
+    try:
+        result = json.loads((paths.state / "holdout.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(result, dict):
+        return None
+    return {"text": holdout_text(result), "disagrees": disagreement(result, sigma)}
+
+
 def transfer_text(transfer: dict | str) -> str:
     """{"best": "shrinks", "minimal": "holds"} -> "the best shrinks, the minimal holds" (or why it was skipped)."""
     if isinstance(transfer, dict):
@@ -125,6 +142,10 @@ def render(info: dict) -> str:
         )
     elif info["experiments"]:
         lines.append("noise: σ not measured yet (no repeated runs)")
+    if info.get("holdout"):
+        lines.append(f"held-out check: {info['holdout']['text']}")
+        if info["holdout"]["disagrees"]:
+            lines.append(f"WARNING: {info['holdout']['disagrees']}")
     if info["current"]:
         c = info["current"]
         progress = f", step {c['step']} loss {c['loss']:.4f}" if c.get("step") is not None else ""
