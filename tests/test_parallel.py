@@ -119,7 +119,7 @@ def test_resume_after_a_parallel_session(fake_repo, plan):
 
 
 def test_status_shows_every_busy_slot(fake_repo, tmp_path):
-    repo = fake_repo(fakes.ok(1.0, sleep=4.0))
+    repo = fake_repo(fakes.ok(1.0, sleep=8.0))
     plan_path = fakes.write_plan(tmp_path / "plan.json", [])
     env = subprocess_env(AUTOLOOP_TEST_PLAN=str(plan_path))
     proc = subprocess.Popen(
