@@ -45,7 +45,7 @@ def rec(n: int, wall: float, group: int = 0, decision: str = "discard", status: 
 
 # the baseline needed 9 s of start-up; then a first candidate
 BASE = [rec(1, BUDGET + 9.0, decision="keep"), rec(2, BUDGET + 8.0, group=1, decision="repeat"), rec(3, BUDGET + 8.5)]
-CAP = 9.0 + min(evaluation.STARTUP_GROWTH * 9.0, evaluation.STARTUP_GROWTH_CAP * BUDGET)  # 16.5 s
+CAP = 9.0 + evaluation.STARTUP_GROWTH_CAP * BUDGET  # 16.5 s
 
 # the session's records -> the start-up the audit allows the next edit
 LEARNED = [
@@ -100,8 +100,9 @@ def test_an_honest_run_on_a_slowed_machine_passes_once_the_best_showed_it_and_a_
         (9.0, [], 30.0, 9.0),
         (9.0, [5.0, 12.0, 11.0], 30.0, 12.0),  # the slowest of the recent ones
         (9.0, [40.0], 30.0, 9.0 + 7.5),  # grown by at most a quarter of the budget ...
-        (2.0, [40.0], 300.0, 2.0 + 4.0),  # ... and at most twice the baseline's own
-        (0.2, [40.0], 30.0, 0.6),  # (a start-up of a bare Python: the audit's slack covers its jitter)
+        (2.0, [40.0], 300.0, 40.0),  # ... whatever the baseline's own
+        (0.0, [8.4, 11.4], 30.0, 7.5),  # (tiny at --budget 30: train.py ends its training at 20 s, so the
+        #                                 baseline's start-up is 0; loaded, kept code needed 8-11 s)
     ],
 )
 def test_the_allowance_is_capped(baseline, recent, budget, allowed):
