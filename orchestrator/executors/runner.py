@@ -183,14 +183,25 @@ class RunResult:
     killed: str = ""  # why it ended at a limit of ours other than the timeout ("memory limit: ..."), else ''
 
 
-def tree_memory(pid: int) -> int:
+def tree_memory(pid: int, limit: int | None = None) -> int:
     """Bytes of memory the process tree under pid holds that only it can give back: anonymous and shared memory,
     each page shared between its processes (forked workers) counted once (PSS); file pages the kernel may drop
-    (a memory-mapped dataset) are not counted."""
-    total = 0
-    for proc in [pid, *(p.pid for p in _descendants(pid))]:
-        total += _held(proc)
-    return total
+    (a memory-mapped dataset) are not counted. With a limit, first the cheap upper bound (each process's resident
+    anonymous and shared memory, /proc/PID/status), and PSS only where that passes the limit: smaps_rollup walks
+    the page tables under the process's memory lock (8.5 ms for a 1.6 GB torch process, four times a second)."""
+    tree = [pid, *(p.pid for p in _descendants(pid))]
+    if limit is not None and (bound := sum(_resident(proc) for proc in tree)) <= limit:
+        return bound
+    return sum(_held(proc) for proc in tree)
+
+
+def _resident(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            fields = dict(line.split(b":", 1) for line in f.read().splitlines() if b":" in line)
+        return sum(int(fields.get(k, b"0 kB").split()[0]) for k in (b"RssAnon", b"RssShmem")) << 10
+    except (OSError, ValueError):
+        return _held(pid)
 
 
 def _held(pid: int) -> int:
@@ -489,7 +500,7 @@ def run_command(
                     break
                 if memory_limit and time.monotonic() - measured >= MEMORY_TICK_S:
                     measured = time.monotonic()
-                    if (used := tree_memory(proc.pid)) > memory_limit:
+                    if (used := tree_memory(proc.pid, memory_limit)) > memory_limit:
                         killed = memory_note(memory_limit, used)
                         reaped = kill_tree(proc.pid, pgid, grace_s=0.5)  # it may grow on while it dies
                         _reap(proc)
