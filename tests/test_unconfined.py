@@ -159,3 +159,27 @@ def test_a_changed_or_planted_startup_hook_is_put_back(tmp_path):
     assert (d / "editable.pth").read_text() == "/home/me/project\n"
     assert not (d / "sitecustomize.py").exists() and not (d / "usercustomize").exists()
     assert restore_hooks(startup_hooks([d]), [d]) == []  # nothing else to put back
+
+
+def test_sandboxed_runs_leave_the_users_own_pip_install_alone(tmp_path):
+    """Sandboxed, the Python's directories are read-only to runs: a .pth rewritten while a run trains is the user's
+    (`pip install -e .` of another checkout, in another terminal; a real night met it), neither blamed on the run
+    nor put back. Unconfined it is both."""
+    from conftest import make_repo
+
+    from orchestrator.core.protection import Protection
+    from orchestrator.core.state import replay
+
+    repo = make_repo(tmp_path / "repo", {"train.py": "x = 1\n"})
+    d = tmp_path / "site-packages"
+    d.mkdir()
+    (d / "__editable__.project.pth").write_text("/home/me/project\n")
+    protection = Protection(repo, Paths(tmp_path / "repo", "t"), tmp_path / "repo", "t", print, hook_dirs=[d])
+    state = replay([], repo.head.commit.hexsha)
+    for sandboxed, blamed in ((True, []), (False, [str(d / "__editable__.project.pth")])):
+        (d / "__editable__.project.pth").write_text("/home/me/project\n")
+        before = protection.snapshot(state, hooks=not sandboxed)
+        (d / "__editable__.project.pth").write_text("/home/me/other-checkout\n")
+        assert protection.touched(before) == blamed
+        kept = "/home/me/other-checkout\n" if sandboxed else "/home/me/project\n"
+        assert (d / "__editable__.project.pth").read_text() == kept

@@ -9,7 +9,7 @@ import shutil
 import site
 import stat
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import git
@@ -26,7 +26,7 @@ class Protected:
 
     files: dict[Path, bytes | None]
     refs: dict[str, tuple[str, str]]  # name -> (commit, symbolic target)
-    hooks: dict[Path, Hook] = field(default_factory=dict)  # the Python's startup hooks (startup_hooks())
+    hooks: dict[Path, Hook] | None = None  # the Python's startup hooks (startup_hooks()); None: not watched
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -125,13 +125,15 @@ class Protection:
         self.repo, self.paths, self.root, self.tag, self.echo = repo, paths, root, tag, echo
         self.hook_dirs = hook_dirs
 
-    def snapshot(self, state: State, also: tuple[Path, ...] = ()) -> Protected:
+    def snapshot(self, state: State, also: tuple[Path, ...] = (), hooks: bool = True) -> Protected:
         """What no run may touch, as it is now: the ledger, the records, the session pin, the queue, and the
         repository's refs, the Python's startup hooks (taken afresh here: `pip install -e .` between sessions
         or generations writes a .pth legitimately, a run never does); the git state git itself would act on
         (config, attributes, alternates, hooks, the worktrees' links and HEADs) is the guard's, taken afresh
         here. Whatever the guard put back while no run was going (e.g. after one that changed it was already
-        judged) is said, not blamed on the next run."""
+        judged) is said, not blamed on the next run. `hooks=False` where the runs are sandboxed: the Python's
+        directories are read-only to them, so a hook that changes meanwhile is the user's (a `pip install` in
+        another terminal), neither a run's doing nor to be undone."""
         guard = gitops.guard_of(self.repo)
         if stray := guard.check() + guard.drain():
             self.echo(f"autoloop: note: put back what was changed in git between runs: {', '.join(self._named(stray))}")
@@ -143,7 +145,8 @@ class Protection:
             *(self.paths.run_dir(r.n) / "record.json" for r in state.records),
             *also,  # e.g. `autoloop verify`'s plan, result and records
         ]
-        return Protected({path: _read(path) for path in paths}, gitops.refs(self.repo), startup_hooks(self.hook_dirs))
+        watched = startup_hooks(self.hook_dirs) if hooks else None
+        return Protected({path: _read(path) for path in paths}, gitops.refs(self.repo), watched)
 
     def touched(self, before: Protected) -> list[str]:
         """What a run changed of `before` (snapshot()) and of what the guard keeps, each put back as it was: a
@@ -164,7 +167,8 @@ class Protection:
                 path.unlink(missing_ok=True)
             else:
                 path.write_bytes(old)
-        changed += restore_hooks(before.hooks, self.hook_dirs)
+        if before.hooks is not None:
+            changed += restore_hooks(before.hooks, self.hook_dirs)
         return changed + self._moved_refs(before.refs, guard.written)
 
     def _moved_refs(self, before: dict[str, tuple[str, str]], written: dict[str, str]) -> list[str]:

@@ -355,7 +355,7 @@ def run_generation(
     runs: list[Run] = []
     slots, born = list(executor.slots), time.monotonic()
     startup = learned_startup(state, ws.settings.budget)  # the clock audit's start-up allowance (kept code's, now)
-    protected = ws.protection.snapshot(state)  # checked after every run, restored if touched
+    protected = ws.protection.snapshot(state, hooks=ws.sandbox is None)  # checked after every run, restored
     next_n = state.done + 1
     try:
         for item, slot in zip(planned, slots):

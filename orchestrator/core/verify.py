@@ -445,6 +445,7 @@ def run_configs(
     protected = ws.protection.snapshot(
         state,
         (verify / "plan.json", ws.paths.verify_json, *(ws.paths.verify_run_dir(r.n) / "record.json" for r in records)),
+        hooks=ws.sandbox is None,
     )
     live: list[tuple[Handle, Record, Config, object, Slot]] = []
     n = max((r.n for r in records), default=0)
