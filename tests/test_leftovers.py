@@ -183,7 +183,11 @@ def test_a_sigkilled_controller_leaves_nothing_running(fake_repo, tmp_path, no_d
     proc.wait(timeout=30)
     try:
         assert gone(marker)
-        alive = [p for p in trains if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        deadline = time.monotonic() + 10.0  # (as for the daemon: the reaper's SIGTERM, grace, SIGKILL, under load)
+        while (alive := [p for p in trains if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]) and (
+            time.monotonic() < deadline
+        ):
+            time.sleep(0.05)
         assert alive == []
     finally:
         for train in trains:  # a failed test must not leave them
