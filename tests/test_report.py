@@ -360,3 +360,18 @@ def test_the_disagreement_rule_weighs_the_session_noise():
     assert not disagreement({"error": "best (#2): the saved model is gone"}, sigma=0.001)
     worse = {"baseline": {"val_bpb": 1.0, "holdout_bpb": 1.0}, "best": {"val_bpb": 1.01, "holdout_bpb": 0.9}}
     assert not disagreement(worse, sigma=None)  # no validation gain: nothing to disagree with
+
+
+def test_the_report_checks_held_out_with_the_evaluation_the_session_had(tmp_path):
+    """`autoloop report` makes a missing held-out check itself: with `python -I -S evaluate.py` for a session
+    that had it (a real night's report asked prepare.py --evaluate, which no longer exists), with the older
+    harness's own command for a session from before."""
+    from orchestrator.core.holdout import session_harness
+    from orchestrator.trust.evaluation import evaluator_args
+
+    (tmp_path / "evaluate.py").write_text("")
+    for session in ({"evaluator": "evaluate.py"}, {}):  # recorded, or a session from before the key
+        args = evaluator_args(session_harness(session, tmp_path), "m.pt", "holdout", "r.json")
+        assert args == ["-I", "-S", "evaluate.py", "m.pt", "--split", "holdout", "--result", "r.json"]
+    older = session_harness({"evaluator": ""}, tmp_path)
+    assert evaluator_args(older, "m.pt", "holdout", "r.json")[:2] == ["prepare.py", "--evaluate"]

@@ -158,13 +158,22 @@ def evaluate(ws: Workspace, executor: Executor, commit: str, artifact: Path, out
     return value, why
 
 
+def session_harness(session: dict, repo: Path):
+    """The harness evaluation as a session's runs had it (session.json; one from before evaluate.py recorded none:
+    the repository says whether it has one)."""
+    from ..trust.harness import HarnessInfo
+
+    evaluator = session.get("evaluator", "evaluate.py" if (repo / "evaluate.py").exists() else "")
+    scorer = evaluator == "evaluate.py"
+    return HarnessInfo(None, None, None, True, result_file=scorer, exported=scorer, evaluator=evaluator)
+
+
 def for_report(repo: Path, tag: str, echo: Callable[[str], None]) -> dict | None:
     """`autoloop report`: make the check for a session that has none for its current best (it ended with Ctrl-C
     before the check, or the check was skipped), with the environment its runs had. Not while a loop runs on
     the tag (that loop makes its own), and not for a session recorded before its environment was kept."""
     from ..executors import LocalExecutor
     from ..store.session import Lock, Paths
-    from ..trust.harness import HarnessInfo
     from .settings import Settings
     from .state import load_state
     from .workspace import Workspace
@@ -184,7 +193,7 @@ def for_report(repo: Path, tag: str, echo: Callable[[str], None]) -> dict | None
     try:
         ws = Workspace(Settings(repo=repo, tag=tag), echo)
         ws.env.update(session["env"])
-        ws.info = HarnessInfo(None, None, None, True)
+        ws.info = session_harness(session, repo)
         state = load_state(paths)
         if not due(ws, state):
             return None

@@ -269,6 +269,7 @@ class Workspace:
                     "pin": self.pin(),
                     "env": env,
                     "artifacts": bool(self.info and self.info.artifacts),
+                    "evaluator": self.info.evaluator if self.info else "",
                     "created": time.time(),
                 },
             )
