@@ -164,8 +164,8 @@ def test_a_pth_hook_in_the_python_environment_does_not_reach_the_evaluator(tiny_
     hook = Path(site.getsitepackages()[0]) / f"autoloop_test_{uuid.uuid4().hex[:8]}.pth"
     key = f"AUTOLOOP_TEST_PTH_{uuid.uuid4().hex[:8]}"  # the hook acts only in this test's processes
     hook.write_text(
-        f'import os; exec("import torch.nn.functional as F\\n_ce = F.cross_entropy\\n'
-        f'F.cross_entropy = lambda *a, **k: _ce(*a, **k) * 0.5") if os.environ.get({key!r}) else None\n'
+        "import os; exec('import torch.nn.functional as F\\nF.cross_entropy = (lambda f: lambda *a, **k: "
+        f"f(*a, **k) * 0.5)(F.cross_entropy)') if os.environ.get({key!r}) else None\n"
     )
 
     def measured(*flags):

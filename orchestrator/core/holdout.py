@@ -94,8 +94,8 @@ def disagreement(result: dict | None, sigma: float | None = None) -> str:
     return (
         f"the held-out check disagrees with validation: the best gains {on_val:.6f} bpb on validation but "
         f"{held_out:+.6f} held out, {on_val - held_out:.6f} apart, beyond the noise (max of {basis} and half "
-        "the validation gain): the best may fit the validation split rather than the task (an edit that read "
-        "it: unconfined runs can); check its diff before trusting it"
+        "the validation gain): the best may fit the validation split rather than the task (by luck of the "
+        "selection, or an edit that read it); check its diff before trusting it"
     )
 
 
