@@ -38,9 +38,14 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "benchmarks" / "
 
 from search_quality import die_with_parent, surrogate_session  # noqa: E402
 
+from orchestrator.core.noise import Gate  # noqa: E402
+
 ARMS = {  # arm -> the gate it runs and --early-stop (search_quality's sessions)
-    "autoloop": ("noise", "on"),
-    "no-early-stop": ("noise", "off"),
+    "autoloop": (Gate().mode, Gate().early_stop),  # the defaults
+    "value": ("value", "off"),
+    "value-es": ("value", "on"),
+    "noise": ("noise", "off"),
+    "noise-es": ("noise", "on"),
     "upstream": ("strict", "off"),
 }
 STOPPED_RUNS = 2.5  # an arm that stops runs gets this many runs per runs' worth of compute at most

@@ -317,7 +317,7 @@ RUN_OPTIONS: list[click.Option] = [
     RunOption(
         ["--gate"],
         section=GATE,
-        type=click.Choice(["noise", "strict"]),
+        type=click.Choice(["value", "noise", "strict"]),
         default="noise",
         show_default=True,
         help="noise: keep only what beats the measured noise; strict: upstream's rule (any lower val_bpb).",

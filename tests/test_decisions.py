@@ -149,3 +149,25 @@ def test_a_slowed_run_leaves_the_mean_once_its_configuration_shows_its_speed(run
     assert state.runs(1) == [bpb for i, (bpb, _) in enumerate(runs) if i + 1 not in aside]
     assert state.best_group == 1 and state.baseline_group == 1  # the baseline stays the baseline
     assert state.baseline_run == state.best_run == stands
+
+
+def test_a_keep_that_its_fresh_runs_contradict_is_reported():
+    """A change kept on lucky runs: the kept code's fresh runs (unbiased) are clearly worse than the best it
+    replaced; the fresh run says so, and the session's state lists the keep as contradicted. Fresh runs that
+    agree with the keep say nothing."""
+
+    def rec(n, bpb, status, gate, group=0):
+        return Record(n=n, status=status, description=f"r{n}", commit=f"c{n}", val_bpb=bpb, device="cpu",
+                      group=group, gate=gate, metrics=dict(BASELINE.metrics))
+
+    base = [rec(1, 1.0, "keep", Evidence("keep", runs=1, why="baseline")),
+            rec(2, 1.01, "discard", Evidence("repeat"), group=1), rec(3, 0.99, "discard", Evidence("repeat"), group=1)]
+    stats = {"ref_sd": 0.01, "best_sd": 0.01, "best_runs": 3, "se": 0.0115}
+    keep = rec(4, 0.96, "keep", Evidence("keep", runs=1, mean=0.96, best_mean=1.0, delta=0.04, stats=stats))
+    for fresh, contradicted in ((1.03, True), (0.97, False)):
+        state = replay([*base, keep], "c0")
+        judged = decide(state, [run(5, fresh, Kind.PARENT, group=4)], Gate("value"))[0]
+        assert ("contradicts keep #4" in judged.gate.note) is contradicted, judged.gate
+        done = Record(**{**asdict(run(5, fresh, Kind.PARENT, group=4).record), "status": "discard"})
+        done.gate = judged.gate  # as the loop writes it into the record
+        assert [n for n, _ in replay([*base, keep, done], "c0").contradicted()] == ([4] if contradicted else [])

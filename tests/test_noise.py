@@ -49,6 +49,11 @@ TABLE = [
     # early: no other configuration measured yet, the pooled spread of the two
     ([0.95, 0.951], BASE, [], {}, False, "rerun", "promising"),  # t 6.6, but on 3 degrees of freedom
     ([0.95, 0.951, 0.949, 0.95], BASE, [], {}, False, "keep", "beats the best"),
+    # identical runs of the best (a deterministic run) say the spread is small, not zero: one different run of a
+    # no-op is run again, and its second run, back at the best's value, is no keep
+    ([2.786404], [2.815670] * 3, [], {}, False, "rerun", "identical"),
+    ([2.786404, 2.815670], [2.815670] * 3, [], {}, False, "rerun", "promising"),
+    ([2.786404, 2.815670, 2.815670], [2.815670] * 3, [], {}, False, "discard", "hopeless"),
     ([0.99], [1.0], [], {}, False, "keep", "spread unknown"),  # --baseline-repeats 0: upstream's rule
     ([1.01], [1.0], [], {}, False, "discard", "spread unknown"),
 ]

@@ -116,6 +116,9 @@ def _judge(state: State, runs: list[Finished], gate: Gate) -> None:
                 mean=statistics.fmean(parent),
                 why=str(run.record.info.get("repeat", "")),
             )
+            if gate.mode != "strict" and (against := contradiction(state, run.record.device, parent)):
+                run.record.gate.note = against[1]
+                run.record.gate.stats["contradicts"] = against[0]
     candidates = [r for r in ok if r.kind == Kind.CANDIDATE]
     for run in candidates:
         parent = parent_on(run.record.device)
@@ -123,7 +126,8 @@ def _judge(state: State, runs: list[Finished], gate: Gate) -> None:
             why = f"no run of the best on {run.record.device or 'this device'} to compare with"
             run.record.gate = Evidence(Decision.DISCARD, runs=1, why=why, note=why)
             continue
-        verdict = judge([run.record.bpb], parent, others(run), gate, run.shorter)
+        ideas = idea_effects(state, run.record.device, group_of(run.record))
+        verdict = judge([run.record.bpb], parent, others(run), gate, run.shorter, ideas)
         run.record.gate = gate_fields(verdict, [run.record.bpb], parent)
     if len(candidates) > 1:
         select(candidates)
@@ -162,6 +166,52 @@ def _judge(state: State, runs: list[Finished], gate: Gate) -> None:
         )
 
 
+CONTRADICTED_T = 1.645  # fresh runs of a kept change this many standard errors worse than what it replaced
+
+
+def contradiction(state: State, device: str, fresh: list[float]) -> tuple[int, str] | None:
+    """(the keep, why) when the best's fresh runs on `device` (made after its keep, unbiased) say that the kept
+    change is worse than the best it replaced: their mean above that best's mean by more than CONTRADICTED_T
+    standard errors (one-sided, 5%). None otherwise, or for the baseline."""
+    if not fresh or state.best_group == state.baseline_group:
+        return None
+    keep = next((r for r in reversed(state.records) if r.n == state.kept_at), None)
+    if keep is None or keep.gate.best_mean is None or keep.device != device:
+        return None
+    stats = keep.gate.stats
+    sd, before_sd, before_runs = stats.get("ref_sd"), stats.get("best_sd"), stats.get("best_runs")
+    if not all(isinstance(x, (int, float)) and x > 0 for x in (sd, before_sd, before_runs)):
+        return None
+    mean = statistics.fmean(fresh)
+    se = (sd**2 / len(fresh) + before_sd**2 / before_runs) ** 0.5
+    t = (mean - keep.gate.best_mean) / se
+    if t <= CONTRADICTED_T:
+        return None
+    return keep.n, (
+        f"contradicts keep #{keep.n}: its {len(fresh)} fresh run(s) average {mean:.6f}, worse than the "
+        f"{keep.gate.best_mean:.6f} it replaced by {t:.1f} standard errors"
+    )
+
+
+def idea_effects(state: State, device: str, exclude: int) -> list[tuple[float, float]]:
+    """The session's decided candidates on `device` (not `exclude`'s group): each one's measured improvement
+    over the best it was judged against, and its standard error, at its last decision (the value rule's prior)."""
+    latest: dict[int, tuple[float, float]] = {}
+    for r in state.records:
+        g, group = r.gate, group_of(r)
+        se = g.stats.get("se")
+        if (
+            r.device == device
+            and group not in (exclude, state.baseline_group)
+            and g.decision in (Decision.KEEP, Decision.DISCARD)
+            and g.delta is not None
+            and isinstance(se, (int, float))
+            and se > 0
+        ):
+            latest[group] = (float(g.delta), float(se))
+    return list(latest.values())
+
+
 def select(candidates: list[Finished]) -> None:
     """Of several candidates, the best of those that beat the best or are promising (better, and not hopeless)
     is selected to run again; none is kept now."""
@@ -197,7 +247,7 @@ def settle(state: State, followups: list[Finished], parent_on, others: list[list
             Decision.DISCARD, runs=len(values), note="not confirmed: no parent run on this device"
         )
         return
-    verdict = judge(values, parent, others, gate, final.shorter)
+    verdict = judge(values, parent, others, gate, final.shorter, idea_effects(state, device, group))
     final.record.gate = gate_fields(verdict, values, parent)
     if confirming:
         final.record.gate.confirmation = True

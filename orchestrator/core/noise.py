@@ -36,7 +36,7 @@ RESOLUTION = 1e-6  # val_bpb is printed to 6 decimals: no spread or standard err
 
 @dataclass
 class Gate:
-    mode: str = "noise"  # noise | strict (upstream: keep if lower at all)
+    mode: str = "noise"  # value (value.py) | noise (a false-keep rate) | strict (upstream: keep if lower at all)
     alpha: float = 0.035  # the chance, at most, that a change that does nothing is kept (one-sided, all looks)
     min_delta: float = 0.0  # a kept change must also be better by this much, in val_bpb
     max_repeats: int = 10  # runs of one candidate at most, the first included (its looks)
@@ -205,9 +205,17 @@ def samples(candidate: list[float], best: list[float], others: list[list[float]]
     )
 
 
-def judge(candidate: list[float], best: list[float], others: list[list[float]], gate: Gate, shorter: bool) -> Verdict:
+def judge(
+    candidate: list[float],
+    best: list[float],
+    others: list[list[float]],
+    gate: Gate,
+    shorter: bool,
+    ideas: list[tuple[float, float]] | None = None,
+) -> Verdict:
     """Decide on the candidate's runs so far (this is look len(candidate)) against the best's runs; `others`
-    are the runs of every other configuration (they give the reference spread)."""
+    are the runs of every other configuration (they give the reference spread), `ideas` the session's earlier
+    candidates' measured improvements and their standard errors (the value rule's prior: value.py)."""
     delta = statistics.fmean(best) - statistics.fmean(candidate)
     look = len(candidate)
     more = look < gate.max_repeats
@@ -221,6 +229,18 @@ def judge(candidate: list[float], best: list[float], others: list[list[float]], 
     se, dof = welch(c, b)
     if c.var == b.var and c.dof == b.dof == ref.dof:  # early, one pooled variance: the classic t test's dof
         dof = ref.dof
+    if ref.var <= (10 * RESOLUTION) ** 2:  # every run so far alike to the printed digit (a deterministic run)
+        if look == 1:  # identical runs say the spread is small, not zero: its own second run shows what it is
+            decision = "rerun" if more and delta > gate.min_delta else "discard"
+            why = "the runs so far are identical: a spread of 0 is not proof; " + (
+                "running it again" if decision == "rerun" else "not better"
+            )
+            return Verdict(decision, 0.0, delta, why, {"test": gate.mode, "look": look, "looks": gate.max_repeats})
+        own = statistics.variance(candidate)  # its own spread, not shrunk towards the best's zero
+        c = Sample(c.n, c.mean, max(own, RESOLUTION**2), c.n - 1)
+        se, dof = welch(c, b)
+    if gate.mode == "value":
+        return judge_value(candidate, c, b, ref, se, dof, gate, shorter, ideas or [])
     q = threshold(gate, look, dof)
     se = max(se, RESOLUTION)  # every run of both alike: as exact as the printed value
     t = delta / se
@@ -259,3 +279,64 @@ def judge(candidate: list[float], best: list[float], others: list[list[float]], 
         else f"hopeless: t {t:.2f} <= {bound:g} at run {look}"
     )
     return Verdict("discard", margin, delta, why, evidence)
+
+
+def judge_value(
+    candidate: list[float],
+    c: Sample,
+    b: Sample,
+    ref: Spread,
+    se: float,
+    dof: float,
+    gate: Gate,
+    shorter: bool,
+    ideas: list[tuple[float, float]],
+) -> Verdict:
+    """The value rule (value.py): keep when the candidate is very likely better, run it again while another run
+    is worth more than a new idea's, else discard. Standard errors are widened by the t distribution's tails at
+    its degrees of freedom (few runs: a spread known roughly)."""
+    from . import value
+
+    delta, look = b.mean - c.mean, len(candidate)
+    se = max(se, RESOLUTION)
+    dof = dof if dof > 0 else 1.0
+    sigma = max(ref.sd or 0.0, RESOLUTION)
+    prior = value.fit_prior(ideas, sigma)
+    ahead = min(value.LOOKAHEAD, gate.max_repeats - look)
+    best_more = max(0, COMPARISON_RUNS - (b.n - 1))  # runs of the best the comparison may still ask for (about)
+    se_next = [  # after k more runs, shared between the two as the loop shares them (the one that helps more)
+        min(
+            math.sqrt(c.var / (c.n + k - j) + b.var / (b.n + j))
+            for j in range(0, min(k, best_more) + 1)
+        )
+        for k in range(1, ahead + 1)
+    ]
+    se_one = math.sqrt(ref.var + b.var / b.n) if ref.var is not None else se
+    choice = value.decide(prior, delta, se, se_next, se_one, dof)
+    evidence = {
+        "test": "value",
+        "t": delta / se,
+        "se": se,
+        "look": look,
+        "looks": gate.max_repeats,
+        "dof": dof,
+        "p_worse": choice.belief.worse,
+        "gain": choice.belief.mean,
+        "run_value": choice.cost,
+        "rerun_value": choice.worth,
+        "ideas": len(ideas),
+        "sd": c.sd,
+        "best_sd": b.sd,
+        "best_runs": b.n,
+        "ref_sd": ref.sd,
+        "ref_dof": ref.dof,
+    }
+    margin = max(gate.min_delta, choice.margin if math.isfinite(choice.margin) else 0.0)
+    if choice.decision == "keep" and delta > gate.min_delta:
+        return Verdict("keep", margin, delta, choice.why, evidence)
+    if shorter and delta / se > -SIMPLER_T:
+        why = f"simplification: shorter, and not worse by more than {SIMPLER_T:g} standard error"
+        return Verdict("keep", margin, delta, why, evidence)
+    if choice.decision == "rerun":
+        return Verdict("rerun", margin, delta, choice.why, evidence)
+    return Verdict("discard", margin, delta, choice.why, evidence)

@@ -199,10 +199,18 @@ def pending_runs(ws: Workspace, state: State, slots: int) -> list[Prepared]:
     ] + [parent_run(state, "confirmation") for _ in range(slots - k)]
 
 
-def tried_afresh(state: State, device: str) -> bool:
-    """Has the best run on `device` since it was kept (counted or not: a fresh run that crashed or was slowed is
-    not asked for again; the judge then compares with the runs that kept it)?"""
-    return any(group_of(r) == state.best_group and r.n > state.kept_at and r.device == device for r in state.records)
+def tried_afresh(state: State, device: str) -> int:
+    """How often the best has run on `device` since it was kept (counted or not: a fresh run that crashed or was
+    slowed is not asked for again; the judge then compares with the runs that kept it)."""
+    return sum(group_of(r) == state.best_group and r.n > state.kept_at and r.device == device for r in state.records)
+
+
+FRESH_RUNS = 2  # fresh runs of a new best under the value rule: one lucky run would set the bar for every idea
+
+
+def fresh_runs(gate) -> int:
+    """Fresh runs a new best gets before the next idea (the noise gate: one)."""
+    return FRESH_RUNS if gate.mode == "value" else 1
 
 
 def asked(state: State) -> int:
@@ -238,7 +246,7 @@ def plan(ws: Workspace, ideas: Ideas, state: State, slots: int) -> list[Prepared
     device = state.records[-1].device if state.records else ""
     if not runs and device and not state.runs(state.best_group, device):  # e.g. resumed on another GPU model
         runs = [parent_run(state, f"no run of the best on {device} yet")]
-    elif not runs and device and state.fresh(s.gate.mode, device) and not tried_afresh(state, device):
+    elif not runs and device and state.fresh(s.gate.mode, device) and tried_afresh(state, device) < fresh_runs(s.gate):
         runs = [parent_run(state, "a fresh run of the new best")]  # its keep's runs are biased low
     if len(runs) == slots:
         return runs

@@ -165,6 +165,15 @@ class State:
         and under --gate strict it is upstream's rule: lower than the kept run is kept."""
         return mode != "strict" and any(len(v) >= 2 for (_, d), v in self.groups().items() if d == device)
 
+    def contradicted(self) -> list[tuple[int, str]]:
+        """Keeps that later, unbiased runs of the kept code say were worse than what they replaced (the judge's
+        `contradiction`): (the keep's run, why), each keep once, its last word."""
+        found: dict[int, str] = {}
+        for r in self.records:
+            if isinstance(r.gate.stats.get("contradicts"), int):
+                found[r.gate.stats["contradicts"]] = r.gate.note
+        return sorted(found.items())
+
     @property
     def best_bpb(self) -> float | None:
         """The best's mean as the gate sees it: of its fresh runs once it has some, else of the runs that kept it."""

@@ -83,6 +83,7 @@ def facts(paths: Paths) -> dict:
         "llm_cost": cost,
         "holdout": holdout,
         "holdout_disagrees": disagreement(holdout, state.spread().sd),  # '' when it agrees (or no check)
+        "contradicted": [{"n": n, "why": why} for n, why in state.contradicted()],
         "verify": read_verify(paths),
     }
 
@@ -398,6 +399,8 @@ def markdown(f: dict, diff: str, image: str | None) -> str:
         ]
     if f.get("holdout_disagrees"):
         lines += [f"> **Warning:** {f['holdout_disagrees']}", ""]
+    for c in f.get("contradicted") or []:
+        lines += [f"> **Keep #{c['n']} contradicted by later runs:** {c['why']}", ""]
     lines += [
         f"- experiments: {f['experiments']} ({f['keep']} keep, {f['discard']} discard, {f['crash']} crash); "
         f"keep rate {100 * f['keep_rate']:.1f}%",

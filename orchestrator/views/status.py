@@ -43,6 +43,7 @@ def collect(repo: Path, tag: str | None) -> dict:
         "recent": [r.__dict__ for r in rows[-5:]],
         "verify": verify_status(paths),
         "holdout": holdout_status(paths, spread.sd),
+        "contradicted": [{"n": n, "why": why} for n, why in state.contradicted()],
     }
     busy = status.get("running") or []
     if running and len(busy) == 1:  # one run: the current experiment
@@ -146,6 +147,8 @@ def render(info: dict) -> str:
         lines.append(f"held-out check: {info['holdout']['text']}")
         if info["holdout"]["disagrees"]:
             lines.append(f"WARNING: {info['holdout']['disagrees']}")
+    for c in info.get("contradicted") or []:
+        lines.append(f"WARNING: keep #{c['n']} is contradicted by later runs: {c['why']}")
     if info["current"]:
         c = info["current"]
         progress = f", step {c['step']} loss {c['loss']:.4f}" if c.get("step") is not None else ""
