@@ -93,12 +93,16 @@ def main() -> int:
     args = ap.parse_args()
     if args.mode == "value":
         mix = [(float(e), float(w)) for e, w in (part.split(":") for part in args.mix.split(","))]
-        print(f"value rule, a session of {args.ideas} ideas (effect in σ: share) {mix}, best measured {args.best_runs}x")
+        print(
+            f"value rule, a session of {args.ideas} ideas (effect in σ: share) {mix}, best measured {args.best_runs}x"
+        )
         for others in args.others:
             found = night(mix, Gate(mode="value"), args.ideas, others, args.best_runs, args.seed)
             print(
                 f"others {others}: "
-                + ", ".join(f"effect {e:+g} σ kept {100 * k:.1f}% ({r:.1f} runs)" for e, (k, r) in sorted(found.items())),
+                + ", ".join(
+                    f"effect {e:+g} σ kept {100 * k:.1f}% ({r:.1f} runs)" for e, (k, r) in sorted(found.items())
+                ),
                 flush=True,
             )
         return 0

@@ -320,7 +320,9 @@ RUN_OPTIONS: list[click.Option] = [
         type=click.Choice(["value", "noise", "strict"]),
         default="noise",
         show_default=True,
-        help="noise: keep only what beats the measured noise; strict: upstream's rule (any lower val_bpb).",
+        help="noise: keep only what beats the measured noise (a sequential test); value: keep what is very likely "
+        "better, run again only where a run is worth more than a new idea's; strict: upstream's rule (any lower "
+        "val_bpb).",
     ),
     RunOption(
         ["--false-keep-rate"],

@@ -157,11 +157,23 @@ def test_a_keep_that_its_fresh_runs_contradict_is_reported():
     agree with the keep say nothing."""
 
     def rec(n, bpb, status, gate, group=0):
-        return Record(n=n, status=status, description=f"r{n}", commit=f"c{n}", val_bpb=bpb, device="cpu",
-                      group=group, gate=gate, metrics=dict(BASELINE.metrics))
+        return Record(
+            n=n,
+            status=status,
+            description=f"r{n}",
+            commit=f"c{n}",
+            val_bpb=bpb,
+            device="cpu",
+            group=group,
+            gate=gate,
+            metrics=dict(BASELINE.metrics),
+        )
 
-    base = [rec(1, 1.0, "keep", Evidence("keep", runs=1, why="baseline")),
-            rec(2, 1.01, "discard", Evidence("repeat"), group=1), rec(3, 0.99, "discard", Evidence("repeat"), group=1)]
+    base = [
+        rec(1, 1.0, "keep", Evidence("keep", runs=1, why="baseline")),
+        rec(2, 1.01, "discard", Evidence("repeat"), group=1),
+        rec(3, 0.99, "discard", Evidence("repeat"), group=1),
+    ]
     stats = {"ref_sd": 0.01, "best_sd": 0.01, "best_runs": 3, "se": 0.0115}
     keep = rec(4, 0.96, "keep", Evidence("keep", runs=1, mean=0.96, best_mean=1.0, delta=0.04, stats=stats))
     for fresh, contradicted in ((1.03, True), (0.97, False)):

@@ -29,13 +29,13 @@ MIXED = [(d, SE) for d in (-0.03, -0.02, 0.0, 0.001, -0.001, 0.02, 0.015, -0.05,
 TABLE = [
     ([0.90], BASE, OTHERS, LATE, {}, "keep", "beats the best"),  # 10 sd better on one run: kept at once
     ([0.90], BASE, OTHERS, [], {}, "keep", "beats the best"),  # ... with no idea judged yet too
-    ([0.95], BASE, OTHERS, EARLY, {}, "keep", "beats the best"),  # 5 sd, early (gains that size are common)
+    ([0.96], BASE, OTHERS, EARLY, {}, "keep", "beats the best"),  # 4 sd, early (gains that size are common)
     ([1.03], BASE, OTHERS, LATE, {}, "discard", "hopeless"),  # a clear loser: stops at its first run
     ([1.00], BASE, OTHERS, LATE, {}, "discard", "hopeless"),  # no better on its run: stops at once
-    ([0.95], BASE, OTHERS, LATE, {}, "rerun", "promising"),  # 5 sd, late (no idea was that good): run again
+    ([0.96], BASE, OTHERS, LATE, {}, "rerun", "promising"),  # 4 sd, late (no idea was that good): run again
     ([0.97], BASE, OTHERS, MIXED, {}, "rerun", "promising"),  # 3 sd, some gains among the ideas: run again
     ([0.97], BASE, OTHERS, EARLY, {}, "discard", "worth less than a new idea"),  # early, a new idea is worth more
-    ([0.95], BASE, OTHERS, LATE, {"max_repeats": 1}, "discard", "last look"),  # no look left
+    ([0.96], BASE, OTHERS, LATE, {"max_repeats": 1}, "discard", "last look"),  # no look left
     ([0.97, 0.975, 0.965, 0.97], BASE, OTHERS, MIXED, {}, "keep", "beats the best"),  # 3 sd on 4 runs
     ([0.999], BASE, OTHERS, LATE, {"mode": "strict"}, "keep", "strict"),
     # identical runs of the best say the spread is small, not zero: one different run is not a keep...

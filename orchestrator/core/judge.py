@@ -178,10 +178,10 @@ def contradiction(state: State, device: str, fresh: list[float]) -> tuple[int, s
     keep = next((r for r in reversed(state.records) if r.n == state.kept_at), None)
     if keep is None or keep.gate.best_mean is None or keep.device != device:
         return None
-    stats = keep.gate.stats
-    sd, before_sd, before_runs = stats.get("ref_sd"), stats.get("best_sd"), stats.get("best_runs")
-    if not all(isinstance(x, (int, float)) and x > 0 for x in (sd, before_sd, before_runs)):
+    figures = [keep.gate.stats.get(k) for k in ("ref_sd", "best_sd", "best_runs")]
+    if not all(isinstance(x, (int, float)) and x > 0 for x in figures):
         return None
+    sd, before_sd, before_runs = (float(x) for x in figures)  # type: ignore[arg-type]
     mean = statistics.fmean(fresh)
     se = (sd**2 / len(fresh) + before_sd**2 / before_runs) ** 0.5
     t = (mean - keep.gate.best_mean) / se

@@ -1,18 +1,19 @@
-"""The value rule: decide each candidate by what its runs say of its true effect, and run it again only while
-another run is worth more than a run spent on a new idea (the default gate, `--gate value`).
+"""The value rule (`--gate value`): decide each candidate by what its runs say of its true effect, and run it
+again only while another run is worth more than a run spent on a new idea.
 
 - Ideas' true effects: a prior learned from this session's own candidates (their measured differences from the
-  best they were judged against, each with its standard error): a discrete distribution on a grid fitted by
-  maximum likelihood (the NPMLE, by EM: Koenker and Mizera's g-modelling), drawn towards a skeptical default
-  while the session has judged few ideas. Most ideas of a night do nothing or hurt; the prior knows how many.
+  best they were judged against, each with its standard error): a spike at zero, worse ideas spread below it,
+  better ones above it, fitted by maximum likelihood and drawn towards a skeptical default while the session
+  has judged few ideas (`fit_prior`). Most ideas of a night do nothing or hurt; the prior learns how many.
 - A candidate's posterior: the prior times the likelihood of its measured difference (the best's fresh runs'
-  mean minus its runs' mean, standard error from the pooled spread).
+  mean minus its runs' mean, standard error from the shrunk spreads, noise.py).
 - Kept when the posterior chance that it is truly no better than the best is at most `WORSE` (so at most about
   that share of keeps are truly worse, where the prior is right), and its posterior mean gain is positive.
-- Otherwise run again while the expected gain of deciding after k more runs, per run, beats `cost`: what a run
-  of a new idea is worth under the same prior (one run each, kept by the same test). Early in a night, when
-  ideas are often large gains, a run is dear and a marginal candidate is dropped; late, when the ideas left are
-  small, a close contender earns its runs. A candidate that cannot become keepable is discarded at once.
+- Otherwise run again while the expected gain of deciding after k more runs, per run, beats what a run of a new
+  idea is worth under the same prior (one run, kept by the same test), and while those runs can make it a keep
+  at all (`HOPELESS`). Early in a night, when ideas are often large gains, a run is dear and a marginal
+  candidate is dropped; late, when the ideas left are small, a close contender earns its runs.
+Measured on the surrogate nights in benchmarks/README.md ("The value rule"): not the default yet.
 Everything here is in val_bpb; improvements are positive (the best's mean minus the candidate's).
 """
 
@@ -28,14 +29,14 @@ PRIOR_WEIGHT = 6.0  # ideas' worth of the skeptical default prior in the fitted 
 DEFAULT_SHARES = np.array([0.3, 0.5, 0.2])  # the default's shares of ideas that do nothing, hurt, help
 SCALES = (2.0, 1.0)  # the default's scales (sd) of the worse ideas' spread and the better ones' (mode)
 SLAB = 0.01  # the share of the prior spread flat over every effect (a heavy tail for surprises)
+HEAVY_TAILS = False  # Student's t likelihood at the comparison's dof (on the surrogate: too few keeps early)
+MARGIN_CAP = 40.0  # standard errors: the margin reported when no measured improvement up to it would be kept
 HOPELESS = 0.01  # a candidate whose chance of becoming a keep within the runs looked ahead is below this: discarded
 LOOKAHEAD = 6  # runs ahead at most that the value of information looks (and never past the looks left)
 # the grid of true effects, in units of the run-to-run sd: fine near zero, where decisions are made
 _GRID = np.unique(
     np.concatenate([np.linspace(-3, 3, 121), np.linspace(-12, -3, 19), np.linspace(3, 12, 19), [-40.0, 40.0]])
 )
-
-
 _WIDTHS = np.gradient(_GRID)  # each grid point's cell
 
 
@@ -60,9 +61,10 @@ def fit_prior(observed: list[tuple[float, float]], sigma: float) -> Prior:
     spike at zero (changes that do nothing), worse ones spread exponentially below it, better ones as a
     gamma of shape 2 above it (its mode away from zero); their shares and scales fitted by maximum likelihood
     of the measured deltas on the grid, drawn towards the skeptical default (DEFAULT_SHARES, SCALES) with
-    PRIOR_WEIGHT ideas' worth, and a thin flat slab (SLAB) under it all. A parametric prior, not a free one on the grid: noisy deltas cannot
-    tell a spike at zero from mass smeared a little above it, and a free fit (the NPMLE) smears it, which lets
-    no-ops pass for small gains. `sigma` (the run-to-run sd) sets the scales."""
+    PRIOR_WEIGHT ideas' worth, and a thin flat slab (SLAB) under it all. A parametric prior, not a free one on
+    the grid: noisy deltas cannot tell a spike at zero from mass smeared a little above it, and a free fit (the
+    NPMLE, tried: benchmarks/README.md) smears it, which lets no-ops pass for small gains. `sigma` (the
+    run-to-run sd) sets the scales."""
     from scipy.optimize import minimize
 
     obs = [(d, s) for d, s in observed if math.isfinite(d) and math.isfinite(s) and s > 0]
@@ -138,9 +140,7 @@ def _decided(prior: Prior, post: np.ndarray, s_new: float) -> tuple[float, float
     return float((weight * np.where(take, mean, 0.0)).sum()), float((weight * take).sum())
 
 
-def gain_after(
-    prior: Prior, delta: float, se: float, se_after: float, dof: float = math.inf
-) -> tuple[float, float]:
+def gain_after(prior: Prior, delta: float, se: float, se_after: float, dof: float = math.inf) -> tuple[float, float]:
     """Deciding after more runs bring the standard error from `se` to `se_after`: the expected gain (the
     posterior mean of what would then be kept, 0 where it would not be, averaged over what the runs may show),
     and the chance that it would then be kept."""
@@ -157,10 +157,11 @@ def run_value(prior: Prior, se_one: float) -> float:
 
 
 def keep_margin(prior: Prior, se: float, dof: float = math.inf) -> float:
-    """The least measured improvement that is kept at this standard error (bisection; inf if none is)."""
-    lo, hi = 0.0, 12.0 * se
+    """The least measured improvement that is kept at this standard error (bisection; MARGIN_CAP standard
+    errors when none up to that is)."""
+    lo, hi = 0.0, MARGIN_CAP * se
     if not keepable(belief(prior, hi, se, dof)):
-        return math.inf
+        return hi
     for _ in range(40):
         mid = 0.5 * (lo + hi)
         lo, hi = (lo, mid) if keepable(belief(prior, mid, se, dof)) else (mid, hi)
@@ -177,9 +178,7 @@ class Choice:
     why: str
 
 
-def decide(
-    prior: Prior, delta: float, se: float, se_next: list[float], se_one: float, dof: float = math.inf
-) -> Choice:
+def decide(prior: Prior, delta: float, se: float, se_next: list[float], se_one: float, dof: float = math.inf) -> Choice:
     """Keep, run again or discard a candidate measured `delta` better than the best with standard error `se` on
     `dof` degrees of freedom; `se_next[k-1]` is the standard error after k more runs (as the loop would
     allocate them; [] when it has no look left), `se_one` a new idea's standard error on its one run."""
@@ -192,7 +191,8 @@ def decide(
     worth = max((gain / k for k, (gain, _) in enumerate(ahead, 1)), default=0.0)
     chance = max((p for _, p in ahead), default=0.0)  # of becoming a keep within the runs looked ahead
     if worth > cost and chance >= HOPELESS:
-        why = f"promising (P(no better) {b.worse:.2f}; a run of it is worth {worth / max(cost, 1e-12):.1f}x a new idea's)"
+        ratio = worth / max(cost, 1e-12)
+        why = f"promising (P(no better) {b.worse:.2f}; a run of it is worth {ratio:.1f}x a new idea's)"
         return Choice("rerun", b, cost, worth, margin, why)
     if not se_next:
         why = f"not better beyond the noise after its last look (P(no better) {b.worse:.2f})"
@@ -203,7 +203,6 @@ def decide(
         )
     else:
         why = (
-            f"another run is worth less than a new idea's ({worth / max(cost, 1e-12):.2f}x; "
-            f"P(no better) {b.worse:.2f})"
+            f"another run is worth less than a new idea's ({worth / max(cost, 1e-12):.2f}x; P(no better) {b.worse:.2f})"
         )
     return Choice("discard", b, cost, worth, margin, why)
