@@ -5,10 +5,11 @@ proposer, gate, ledger and git) with a fake train.py that answers in millisecond
 its noise-free value (`true_bpb`) is what a night really bought. Arms, with paired seeds (seed s of every arm
 sees the same landscape and the same proposer seed):
 
-- `autoloop`: the default gate (noise-aware, baseline measured 3 times, fresh runs of a new best, at most 3
-  runs of the best per comparison, interleaved) with early stopping on (`--early-stop on`: a run whose training
-  curve is clearly behind the best's is stopped; it needs a surrogate fitted with curves);
-- `no-early-stop`: the same gate, every run trained to the end (`--early-stop off`);
+- `autoloop`: the defaults (today the noise gate, early stopping off);
+- `noise`, `noise-es`: the noise gate (baseline measured 3 times, fresh runs of a new best, at most 3 runs of
+  the best per comparison, interleaved), early stopping off / on (`--early-stop on`: a run whose training curve
+  is clearly behind the best's is stopped; it needs a surrogate fitted with curves);
+- `value`, `value-es`: the value rule (`--gate value`, core/value.py), early stopping off / on;
 - `upstream`: autoresearch's rule: one run per idea, kept if its val_bpb is lower than the kept run's
   (`--gate strict --baseline-repeats 0`).
 
