@@ -183,3 +183,11 @@ def test_a_keep_that_its_fresh_runs_contradict_is_reported():
         done = Record(**{**asdict(run(5, fresh, Kind.PARENT, group=4).record), "status": "discard"})
         done.gate = judged.gate  # as the loop writes it into the record
         assert [n for n, _ in replay([*base, keep, done], "c0").contradicted()] == ([4] if contradicted else [])
+    # a later run of the kept code that no longer contradicts it clears the warning
+    bad = Record(**{**asdict(run(5, 1.03, Kind.PARENT, group=4).record), "status": "discard"})
+    bad.gate = decide(replay([*base, keep], "c0"), [run(5, 1.03, Kind.PARENT, group=4)], Gate("value"))[0].gate
+    assert replay([*base, keep, bad], "c0").contradicted()[0][0] == 4
+    later = decide(replay([*base, keep, bad], "c0"), [run(6, 0.94, Kind.PARENT, group=4)], Gate("value"))[0]
+    after = Record(**{**asdict(run(6, 0.94, Kind.PARENT, group=4).record), "status": "discard"})
+    after.gate = later.gate
+    assert "contradicts" not in later.gate.note and replay([*base, keep, bad, after], "c0").contradicted() == []

@@ -167,11 +167,18 @@ class State:
 
     def contradicted(self) -> list[tuple[int, str]]:
         """Keeps that later, unbiased runs of the kept code say were worse than what they replaced (the judge's
-        `contradiction`): (the keep's run, why), each keep once, its last word."""
+        `contradiction`): (the keep's run, why), each keep as its latest run of the kept code has it (a later
+        run that no longer contradicts it clears it)."""
+        kept = {group_of(r): r.n for r in self.records if r.status == Status.KEEP}
         found: dict[int, str] = {}
         for r in self.records:
-            if isinstance(r.gate.stats.get("contradicts"), int):
-                found[r.gate.stats["contradicts"]] = r.gate.note
+            keep = kept.get(group_of(r))
+            if r.gate.decision != Decision.REPEAT or keep is None or r.n <= keep or group_of(r) == self.baseline_group:
+                continue
+            if r.gate.stats.get("contradicts") == keep:
+                found[keep] = r.gate.note
+            else:
+                found.pop(keep, None)
         return sorted(found.items())
 
     @property
