@@ -126,7 +126,7 @@ def _judge(state: State, runs: list[Finished], gate: Gate) -> None:
             why = f"no run of the best on {run.record.device or 'this device'} to compare with"
             run.record.gate = Evidence(Decision.DISCARD, runs=1, why=why, note=why)
             continue
-        ideas = idea_effects(state, run.record.device, group_of(run.record))
+        ideas = idea_effects(state, run.record.device, group_of(run.record)) if gate.mode == "value" else None
         verdict = judge([run.record.bpb], parent, others(run), gate, run.shorter, ideas)
         run.record.gate = gate_fields(verdict, [run.record.bpb], parent)
     if len(candidates) > 1:
@@ -247,7 +247,8 @@ def settle(state: State, followups: list[Finished], parent_on, others: list[list
             Decision.DISCARD, runs=len(values), note="not confirmed: no parent run on this device"
         )
         return
-    verdict = judge(values, parent, others, gate, final.shorter, idea_effects(state, device, group))
+    ideas = idea_effects(state, device, group) if gate.mode == "value" else None  # the value rule's prior only
+    verdict = judge(values, parent, others, gate, final.shorter, ideas)
     final.record.gate = gate_fields(verdict, values, parent)
     if confirming:
         final.record.gate.confirmation = True
