@@ -368,6 +368,15 @@ RUN_OPTIONS: list[click.Option] = [
         "of their planned steps, before the warm-down (recorded as a discard, with the evidence); one judged run in "
         "ten trains on as an audit of the rule.",
     ),
+    RunOption(
+        ["--bundle"],
+        section=GATE,
+        type=click.IntRange(min=0),
+        default=3,
+        show_default=True,
+        help="Near misses (measured better, not proven) are parked; once this many are, they are tried together "
+        "as one idea, judged on its own runs, its record naming them (0: never). Not with --gate strict.",
+    ),
     # Safety
     RunOption(
         ["--sandbox"],

@@ -260,7 +260,7 @@ def test_run_verify_verifies_at_the_end_of_the_session(fake_repo, plan, tmp_path
     )
 
 
-def test_a_decision_is_the_first_look_s_and_later_runs_refine_only_its_figures():
+def test_a_decision_is_the_first_look_s_with_that_look_s_figures_and_later_runs_only_add_theirs():
     from orchestrator.core.verify import Verdict, first_decision
     from orchestrator.store.ledger import Record
 
@@ -271,9 +271,24 @@ def test_a_decision_is_the_first_look_s_and_later_runs_refine_only_its_figures()
     records += [run(5, "best", 1.3), run(6, "other", 9.0)]  # the best's later runs, for another comparison
 
     def verdict_of(recs):  # decided by the look after run 3; undecided again with everything
-        return Verdict("matters" if len(recs) in (3, 4) else "undecided", delta=float(len(recs)))
+        decision = "matters" if len(recs) in (3, 4) else "undecided"
+        return Verdict(decision, delta=float(len(recs)), se=1.0, runs=len(recs), best_runs=len(recs))
 
     v = first_decision(records, {"without-2", "best"}, verdict_of)
-    assert v.decision == "matters" and v.delta == 6.0  # the decision frozen, the figures of all six runs
+    assert v.decision == "matters" and v.delta == 3.0  # the decision and the figures of the look that made it
+    assert v.latest is not None and v.latest.delta == 6.0  # all six runs' figures beside them
+    assert first_decision(records[:3], {"without-2", "best"}, verdict_of).latest is None  # nothing since
     assert first_decision(records, {"without-2", "best"}, lambda recs: Verdict("undecided")).decision == "undecided"
     assert first_decision(records[:2], {"without-2", "best"}, verdict_of).decision == "undecided"
+
+
+def test_a_verdict_reads_with_its_own_figures_and_names_the_later_ones():
+    from orchestrator.core.verify import text
+    from orchestrator.views.report import verify_lines
+
+    change = {"n": 2, "description": "x", "contribution": 0.19, "se": 0.05, "runs": 2, "verdict": "matters"}
+    change |= {"note": "", "latest": {"contribution": 0.19, "se": 0.365, "runs": 2, "best_runs": 6}}
+    result = {"changes": [change], "runs": 8, "budget": 1.0, "best_commit": "abc1234", "complete": True}
+    later = "with the best's 6 runs since: +0.190000 ± 0.365000"
+    assert "+0.190000 ± 0.050000 (2 runs): matters; decided on those runs; " + later in text(result)[0]
+    assert later in "\n".join(verify_lines(result))

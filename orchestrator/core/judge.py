@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 
 from ..store.ledger import Evidence, Record, Row
 from ..trust import redaction
+from .bundle import near_miss
 from .noise import Gate, Verdict, judge
 from .state import DISTURBED, Decision, Kind, State, Status, group_of, throughput
 
@@ -147,6 +148,8 @@ def _judge(state: State, runs: list[Finished], gate: Gate) -> None:
     for run in ok:
         if run.record.gate.decision == Decision.KEEP:
             run.record.status = Status.KEEP
+        elif run.kind != Kind.PARENT and near_miss(run.record.gate, gate.mode):
+            run.record.gate.stats["parked"] = True  # measured better, not proven: a bundle may hold it (bundle.py)
     rerun_taken = any(r.record.gate.decision == Decision.RERUN for r in ok) or (
         state.pending is not None and not followups
     )
@@ -292,7 +295,13 @@ def row_of(record: Record) -> Row:
 
 
 def row_text(record: Record) -> tuple[float, str]:
-    """The row's val_bpb and description: a decided candidate shows its mean, its runs and the margin used."""
+    """The row's val_bpb and description: a decided candidate shows its mean, its runs and the margin used; a
+    near miss says it is parked (bundle.py)."""
+    bpb, description = _row_text(record)
+    return bpb, description + (" [near miss: parked]" if record.gate.stats.get("parked") else "")
+
+
+def _row_text(record: Record) -> tuple[float, str]:
     if record.status == Status.CRASH:  # the reason is the run's own words: cleaned (redaction.clean)
         return 0.0, f"{record.description} [crash: {redaction.clean(record.reason)}]"
     g = record.gate

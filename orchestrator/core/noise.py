@@ -45,6 +45,7 @@ class Gate:
     min_delta: float = 0.0  # a kept change must also be better by this much, in val_bpb
     max_repeats: int = 10  # runs of one candidate at most, the first included (its looks)
     early_stop: str = "off"  # on: a candidate's run clearly behind the best's curves is stopped (trust/curve.py)
+    bundle: int = 3  # parked near misses that are tried together as one idea (0: never; bundle.py)
 
 
 @dataclass(frozen=True)

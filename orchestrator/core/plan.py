@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from ..proposers import Proposer
 from ..store.ledger import Record
+from .bundle import due, parked
 from .noise import COMPARISON_RUNS, parent_first
 from .pipeline import Prefetch, Prepared, carry, make_proposal
 from .state import Kind, State, group_of
@@ -248,6 +249,10 @@ def plan(ws: Workspace, ideas: Ideas, state: State, slots: int) -> list[Prepared
         runs = [parent_run(state, f"no run of the best on {device} yet")]
     elif not runs and device and state.fresh(s.gate.mode, device) and tried_afresh(state, device) < fresh_runs(s.gate):
         runs = [parent_run(state, "a fresh run of the new best")]  # its keep's runs are biased low
+    if not runs and s.gate.bundle and len(parked(state)) >= s.gate.bundle:
+        ideas.settle()  # the proposal worktree is free (an idea being made ahead is kept for later)
+        if (made := due(ws, state)) is not None:
+            runs = [made]
     if len(runs) == slots:
         return runs
     fresh = ideas.take(best, state.records, slots - len(runs))

@@ -166,6 +166,9 @@ class Verdict:
     t: float | None = None
     runs: int = 0
     best_runs: int = 0
+    # the figures of all the runs, where runs after the deciding look (the best's, made for another comparison)
+    # moved them: the verdict stands on the look that made it, and reads with that look's figures
+    latest: Verdict | None = None
 
 
 def values(records: list[Record], key: str, metric: str = "val") -> list[float]:
@@ -213,15 +216,17 @@ def others_for(state: State, records: list[Record], plan: Plan, exclude: set[str
 
 def first_decision(records: list[Record], keys: set[str], verdict_of: Callable[[list[Record]], Verdict]) -> Verdict:
     """A sequential test's verdict: the decision of the first look that made one (looks: the runs of `keys`, in
-    order), with the figures of all the runs. Later runs (the best's, made for another comparison) refine the
-    figures, never the decision."""
+    order), with that look's figures, so that verdict and figures read alike (report.md once showed "matters"
+    beside +0.190 ± 0.365: a decision of look 2 beside the figures of 6 runs). Later runs (the best's, made for
+    another comparison) never change the decision; their figures are its `latest`."""
     final = verdict_of(records)
     for i, r in enumerate(records):
         if r.info.get("verify") in keys and counts(r):
-            decided = verdict_of(records[: i + 1]).decision
-            if decided != "undecided":
-                final.decision = decided
-                return final
+            decided = verdict_of(records[: i + 1])
+            if decided.decision != "undecided":
+                if (decided.runs, decided.best_runs) != (final.runs, final.best_runs):
+                    decided.latest = final
+                return decided
     final.decision = "undecided"
     return final
 
@@ -569,6 +574,7 @@ def summary(ws: Workspace, state: State, records: list[Record], plan: Plan, comp
                 "t": v.t if v else None,
                 "runs": v.runs if v else 0,
                 "best_runs": v.best_runs if v else 0,
+                **latest_figures(v),
                 "removed_with": [n for n in plan.configs[key].removed if n != change.n] if v else [],
                 "note": plan.notes.get(str(change.n), ""),
             }
@@ -608,6 +614,14 @@ def summary(ws: Workspace, state: State, records: list[Record], plan: Plan, comp
     if plan.factor or "transfer" in plan.notes:
         out["transfer"] = transfer_table(ws, records, plan)
     return out
+
+
+def latest_figures(v: Verdict | None) -> dict:
+    """The figures of all the runs, where later runs moved them past the deciding look (summary's "latest")."""
+    if v is None or v.latest is None or v.latest.delta is None:
+        return {}
+    late = v.latest
+    return {"latest": {"contribution": late.delta, "se": late.se, "runs": late.runs, "best_runs": late.best_runs}}
 
 
 def transfer_table(ws: Workspace, records: list[Record], plan: Plan) -> dict:
@@ -680,6 +694,11 @@ def text(result: dict) -> list[str]:
         fig = f"{d:+.6f} ± {c['se']:.6f}" if d is not None and c["se"] is not None else "-"
         extra = f"; {c['note']}" if c["note"] else ""
         runs = f"{c['runs']} run{'s' * (c['runs'] != 1)}"
+        if (late := c.get("latest")) and late.get("se") is not None:
+            extra += (
+                f"; decided on those runs; with the best's {late['best_runs']} runs since: "
+                f"{late['contribution']:+.6f} ± {late['se']:.6f}"
+            )
         lines.append(f"#{c['n']} {c['description'][:60]}: contribution {fig} ({runs}): {c['verdict']}{extra}")
     m = result.get("minimal")
     if m:

@@ -444,6 +444,11 @@ def verify_lines(v: dict) -> list[str]:
         d = c.get("contribution")
         fig = f"{d:+.6f} ± {c['se']:.6f}" if d is not None and c.get("se") is not None else "-"
         note = f" ({c['note']})" if c.get("note") else ""
+        if (late := c.get("latest")) and late.get("se") is not None:  # the figures are the deciding look's
+            note += (
+                f" (decided on these runs; with the best's {late['best_runs']} runs since: "
+                f"{late['contribution']:+.6f} ± {late['se']:.6f})"
+            )
         lines.append(f"| {c['n']} | {c['description']} | {fig} | {c['runs']} | {c['verdict']}{note} |")
     m = v.get("minimal")
     if m:
