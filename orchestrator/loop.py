@@ -185,13 +185,10 @@ def pinned_fields(session: dict) -> dict:
     for key in ("profile", "dataset"):
         if pin.get(key):
             out[key] = pin[key]
-    found = re.match(
-        r"(\w+) alpha (\S+) looks (\d+) min (\S+)( early-stop on)?(?: bundle (\d+))?", str(pin.get("gate", ""))
-    )
+    found = re.match(r"(\w+) alpha (\S+) looks (\d+) min (\S+)( early-stop on)?", str(pin.get("gate", "")))
     if found:
-        mode, alpha, looks, floor, early, bundle = found.groups()
-        parts = int(bundle) if bundle else Gate().bundle
-        out["gate"] = Gate(mode, float(alpha), float(floor), int(looks), "on" if early else "off", parts)
+        mode, alpha, looks, floor, early = found.groups()
+        out["gate"] = Gate(mode, float(alpha), float(floor), int(looks), "on" if early else "off")
     return out
 
 

@@ -73,6 +73,21 @@ class TransferFactor(click.ParamType):
         return factor
 
 
+class BundleSize(click.ParamType):
+    """Parked near misses per bundle: 0 (never) or 2 or more (a bundle of one is the idea again)."""
+
+    name = "N"
+
+    def convert(self, value, param, ctx):
+        try:
+            size = int(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a whole number (0: no bundles; 2 or more: their size)", param, ctx)
+        if size != 0 and size < 2:
+            self.fail(f"{value!r}: a bundle holds 2 near misses or more (0: no bundles)", param, ctx)
+        return size
+
+
 class PluginChoice(click.Choice):
     """A registered plugin's name, or a plugin that is not packaged named as `module:Class` (plugins.load)."""
 
@@ -371,7 +386,7 @@ RUN_OPTIONS: list[click.Option] = [
     RunOption(
         ["--bundle"],
         section=GATE,
-        type=click.IntRange(min=0),
+        type=BundleSize(),
         default=3,
         show_default=True,
         help="Near misses (measured better, not proven) are parked; once this many are, they are tried together "

@@ -84,7 +84,8 @@ def test_bundles_off_the_near_misses_wait(fake_repo, plan, tmp_path):
     run_loop(settings(repo, 7, bundle=0), echo=lambda _: None)
     state = load_state(Paths(repo, "b"))
     assert [r.description for r in state.records[3:]] == ["P on", "Q on", "R on", "nothing new"]
-    assert not any("bundle" in r.info for r in state.records)
+    assert not any("bundle" in r.info or r.gate.stats.get("parked") for r in state.records)
+    assert "parked" not in (repo / "results.tsv").read_text()
 
 
 @pytest.mark.parametrize(

@@ -289,6 +289,6 @@ def test_a_verdict_reads_with_its_own_figures_and_names_the_later_ones():
     change = {"n": 2, "description": "x", "contribution": 0.19, "se": 0.05, "runs": 2, "verdict": "matters"}
     change |= {"note": "", "latest": {"contribution": 0.19, "se": 0.365, "runs": 2, "best_runs": 6}}
     result = {"changes": [change], "runs": 8, "budget": 1.0, "best_commit": "abc1234", "complete": True}
-    later = "with the best's 6 runs since: +0.190000 ± 0.365000"
+    later = "with all 6 runs of the best: +0.190000 ± 0.365000"
     assert "+0.190000 ± 0.050000 (2 runs): matters; decided on those runs; " + later in text(result)[0]
     assert later in "\n".join(verify_lines(result))

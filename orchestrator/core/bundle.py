@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from ..store import gitops
 from ..store.ledger import Evidence
 from .pipeline import Prepared
-from .state import Decision, State, group_of
+from .state import Cause, Decision, State, Status, group_of
 
 if TYPE_CHECKING:
     from .workspace import Workspace
@@ -43,7 +43,12 @@ def near_miss(evidence: Evidence, mode: str) -> bool:
 
 def parked(state: State) -> list[int]:
     """The parked near misses not bundled yet (each its first run's number), oldest first."""
-    used = {n for r in state.records for n in (*r.info.get("bundle", ()), *r.info.get("bundle_dropped", ()))}
+    used = {  # a bundle that never ran for the machine's fault (its crash put down to the environment) used none
+        n
+        for r in state.records
+        if not (r.status == Status.CRASH and r.cause == Cause.ENVIRONMENT)
+        for n in (*r.info.get("bundle", ()), *r.info.get("bundle_dropped", ()))
+    }
     final: dict[int, bool] = {}
     for r in state.records:
         if r.gate.decision in (Decision.KEEP, Decision.DISCARD):
@@ -53,22 +58,28 @@ def parked(state: State) -> list[int]:
 
 def bundle(ws: Workspace, state: State, parts: list[int]) -> Prepared | None:
     """One idea of these parked ideas applied together on the best (each three-way, as its run's change from
-    the best it was made on); None when fewer than two of them apply (those that do not, or change nothing now,
-    are named in `info.bundle_dropped` of the bundle that leaves them out)."""
+    the best it was made on); None when fewer than two of them apply together. A part that no longer applies to
+    the best alone, or changes nothing there (it is in the best already), is named in `info.bundle_dropped`
+    and parked no more; one that clashes only with an earlier part stays parked for a later bundle."""
     best = state.best_commit
     wt = ws.proposal_worktree(best)
     first = {r.n: r for r in state.records}
-    held, dropped = [], []
-    for n in parts:
-        record = first[n]
+
+    def apply(n: int) -> bool:  # on the worktree's HEAD: committed if it applies and changes something
+        record, head = first[n], wt.head.commit.hexsha
         patch, patch_u0 = (gitops.diff(wt, record.parent, record.commit, c) for c in (3, 0))
-        head = wt.head.commit.hexsha
         if gitops.carry_over(wt, patch, patch_u0) or not gitops.diff_all(wt, head).strip():
             gitops.checkout_clean(wt, head)
-            dropped.append(n)
-            continue
+            return False
         gitops.commit_all(wt, f"autoloop bundle: #{n} {record.description[:60]}")
-        held.append(n)
+        return True
+
+    alone: list[int] = []
+    dropped: list[int] = []
+    for n in parts:  # each alone on the best
+        (alone if apply(n) else dropped).append(n)
+        gitops.checkout_clean(wt, best)
+    held = [n for n in alone if apply(n)]
     if len(held) < 2:
         gitops.checkout_clean(wt, best)
         return None
@@ -77,7 +88,7 @@ def bundle(ws: Workspace, state: State, parts: list[int]) -> Prepared | None:
     return Prepared(
         base=best,
         description=f"bundle of {names}: {ideas}"[:300],
-        info={"bundle": held, **({"bundle_dropped": dropped} if dropped else {})},
+        info={"bundle": held, "move": "bundle", **({"bundle_dropped": dropped} if dropped else {})},
         patch=gitops.diff(wt, best, wt.head.commit.hexsha),
         patch_u0=gitops.diff(wt, best, wt.head.commit.hexsha, 0),
         planned=wt.head.commit.hexsha,

@@ -148,7 +148,7 @@ def _judge(state: State, runs: list[Finished], gate: Gate) -> None:
     for run in ok:
         if run.record.gate.decision == Decision.KEEP:
             run.record.status = Status.KEEP
-        elif run.kind != Kind.PARENT and near_miss(run.record.gate, gate.mode):
+        elif gate.bundle and run.kind != Kind.PARENT and near_miss(run.record.gate, gate.mode):
             run.record.gate.stats["parked"] = True  # measured better, not proven: a bundle may hold it (bundle.py)
     rerun_taken = any(r.record.gate.decision == Decision.RERUN for r in ok) or (
         state.pending is not None and not followups
@@ -197,8 +197,9 @@ def contradiction(state: State, device: str, fresh: list[float]) -> tuple[int, s
 
 
 def idea_effects(state: State, device: str, exclude: int) -> list[tuple[float, float]]:
-    """The session's decided candidates on `device` (not `exclude`'s group): each one's measured improvement
-    over the best it was judged against, and its standard error, at its last decision (the value rule's prior)."""
+    """The session's decided candidates on `device` (not `exclude`'s group, nor bundles): each one's measured
+    improvement over the best it was judged against, and its standard error, at its last decision (the value
+    rule's prior)."""
     latest: dict[int, tuple[float, float]] = {}
     for r in state.records:
         g, group = r.gate, group_of(r)
@@ -208,6 +209,7 @@ def idea_effects(state: State, device: str, exclude: int) -> list[tuple[float, f
             and group not in (exclude, state.baseline_group)
             and g.decision in (Decision.KEEP, Decision.DISCARD)
             and g.delta is not None
+            and "bundle" not in r.info  # ideas chosen for measuring better: their parts are in already
             and isinstance(se, (int, float))
             and se > 0
         ):

@@ -249,6 +249,7 @@ def plan(ws: Workspace, ideas: Ideas, state: State, slots: int) -> list[Prepared
         runs = [parent_run(state, f"no run of the best on {device} yet")]
     elif not runs and device and state.fresh(s.gate.mode, device) and tried_afresh(state, device) < fresh_runs(s.gate):
         runs = [parent_run(state, "a fresh run of the new best")]  # its keep's runs are biased low
+    made = None
     if not runs and s.gate.bundle and len(parked(state)) >= s.gate.bundle:
         ideas.settle()  # the proposal worktree is free (an idea being made ahead is kept for later)
         if (made := due(ws, state)) is not None:
@@ -256,4 +257,4 @@ def plan(ws: Workspace, ideas: Ideas, state: State, slots: int) -> list[Prepared
     if len(runs) == slots:
         return runs
     fresh = ideas.take(best, state.records, slots - len(runs))
-    return runs + fresh if fresh else []
+    return runs + fresh if fresh or made else []  # the proposer ran dry: the session ends (a bundle due runs)

@@ -696,7 +696,7 @@ def text(result: dict) -> list[str]:
         runs = f"{c['runs']} run{'s' * (c['runs'] != 1)}"
         if (late := c.get("latest")) and late.get("se") is not None:
             extra += (
-                f"; decided on those runs; with the best's {late['best_runs']} runs since: "
+                f"; decided on those runs; with all {late['best_runs']} runs of the best: "
                 f"{late['contribution']:+.6f} ± {late['se']:.6f}"
             )
         lines.append(f"#{c['n']} {c['description'][:60]}: contribution {fig} ({runs}): {c['verdict']}{extra}")

@@ -204,8 +204,7 @@ class Workspace:
             "dataset": (self.info.dataset if self.info else None) or self.settings.dataset,
             "seed": self.settings.seed,
             "gate": f"{gate.mode} alpha {gate.alpha:g} looks {gate.max_repeats} min {gate.min_delta:g}"
-            + (" early-stop on" if gate.early_stop == "on" else "")
-            + (f" bundle {gate.bundle}" if gate.bundle != type(gate)().bundle else ""),
+            + (" early-stop on" if gate.early_stop == "on" else ""),
             "manifest_digest": self.manifest_digest,
             "prepare_sha256": self.prepare_sha,
             **({"evaluate_sha256": self.evaluate_sha} if self.evaluate_sha else {}),

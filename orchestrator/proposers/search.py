@@ -225,7 +225,7 @@ class SearchProposer(Proposer):
             memory = outcome[rec.n] == "crash" and regions.grew(cfg, parent)
             if memory:
                 regions.add(cfg)
-            if rec.info.get("move") == "model" or len(changed) > 2:
+            if rec.info.get("move") in ("model", "bundle") or len(changed) > 2:
                 # a jump says nothing about one constant's step; a crash closes only what a jump's crash
                 # usually is, out of memory: the region above, or else each size it grew, alone
                 for name in changed if outcome[rec.n] == "crash" and not memory else ():
@@ -375,7 +375,9 @@ class SearchProposer(Proposer):
     def momentum(self, space, history, best, stats, tried, closed, rng) -> dict | None:
         """After a kept local move, usually push the same constants further the same way (pattern search)."""
         moves = self.configs.moves([r for r in history if r.status != "running"][-1:])
-        if not moves or moves[0][0].status != "keep" or moves[0][0].info.get("move") == "model" or rng.random() > 0.7:
+        if not moves or moves[0][0].status != "keep" or rng.random() > 0.7:
+            return None
+        if moves[0][0].info.get("move") in ("model", "bundle"):  # a jump, or near misses kept together
             return None
         _, cfg, parent = moves[0]
         changes = {}

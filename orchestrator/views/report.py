@@ -446,7 +446,7 @@ def verify_lines(v: dict) -> list[str]:
         note = f" ({c['note']})" if c.get("note") else ""
         if (late := c.get("latest")) and late.get("se") is not None:  # the figures are the deciding look's
             note += (
-                f" (decided on these runs; with the best's {late['best_runs']} runs since: "
+                f" (decided on these runs; with all {late['best_runs']} runs of the best: "
                 f"{late['contribution']:+.6f} ± {late['se']:.6f})"
             )
         lines.append(f"| {c['n']} | {c['description']} | {fig} | {c['runs']} | {c['verdict']}{note} |")
