@@ -91,6 +91,8 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=100, help="runs' worth of compute per session")
     ap.add_argument("--arms", default=",".join(ARMS), help=f"a comma-separated subset of {', '.join(ARMS)}")
     ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--gate", default="noise", choices=["noise", "value"], help="the keep rule of every arm")
+    ap.add_argument("--bundle", type=int, default=3, help="near misses per bundle (0: no bundles; --bundle)")
     ap.add_argument("--out", type=Path, default=None, help="also write the raw results as JSON here")
     ap.add_argument(
         "--reuse", type=Path, default=None, help="an earlier --out: its sessions of the arms not run now (same seeds)"
@@ -124,7 +126,7 @@ def main() -> int:
                         model,
                         args.profile,
                         proposer,
-                        "noise",
+                        args.gate,
                         seed,
                         FREE_ROWS * args.runs,
                         str(where),
@@ -134,6 +136,7 @@ def main() -> int:
                         "off",
                         args.runs,
                         options,
+                        {"bundle": args.bundle},
                     )
                 )
         results = list(pool.map(session, jobs))

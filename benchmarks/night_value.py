@@ -153,6 +153,7 @@ def main() -> int:
         "--noise-scale", type=float, default=1.0, help="runs this many times noisier than measured (a stress test)"
     )
     ap.add_argument("--jobs", type=int, default=1, help="sessions at once")
+    ap.add_argument("--bundle", type=int, default=3, help="near misses per bundle (0: no bundles; --bundle)")
     ap.add_argument("--out", type=Path, default=None, help="also write the raw results as JSON here")
     ap.add_argument(
         "--arms", default=",".join(ARMS), help="the arms to run (comma-separated); others may come from --reuse"
@@ -192,6 +193,8 @@ def main() -> int:
                 drift,
                 stop,
                 None if stop == "off" else args.runs,
+                {},
+                {"bundle": args.bundle},
             )
             for seed in range(args.first_seed, args.first_seed + args.seeds)
             for method in args.methods.split(",")

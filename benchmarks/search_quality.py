@@ -86,6 +86,9 @@ def surrogate_session(job: tuple) -> dict:
     early_stop = rest[3] if len(rest) > 3 else "off"  # night_value.py's arms: --early-stop
     compute = rest[4] if len(rest) > 4 else None  # runs' worth to spend (stopped runs count their share), at most
     options = rest[5] if len(rest) > 5 else {}  # the proposer's options (hybrid_value.py: --hybrid-llm)
+    overrides = (
+        rest[6] if len(rest) > 6 else {}
+    )  # the gate's other settings (night_value.py, hybrid_value.py: --bundle)
     # `experiments` runs
     os.environ.setdefault("AUTOLOOP_PROGRESS_SECONDS", "1e9")  # one result per session, not the loop's live line
     sys.path[:0] = [str(ROOT / "benchmarks" / "surrogate"), str(ROOT / "benchmarks")]
@@ -117,7 +120,7 @@ def surrogate_session(job: tuple) -> dict:
         profile=profile,
         seed=seed,
         timeout=60,
-        gate=Gate(mode=gate, early_stop=early_stop),
+        gate=Gate(mode=gate, early_stop=early_stop, **overrides),
         sandbox="off",
         baseline_repeats=0 if gate == "strict" else 2,
         max_crashes=experiments + 1,

@@ -108,3 +108,29 @@ def test_clear_gains_are_kept_on_their_first_run():
     others = [[rng.gauss(0, 1) for _ in range(3)] for _ in range(5)]
     first = [judge([rng.gauss(-6, 1)], best, others, Gate(mode="value"), False).decision for _ in range(50)]
     assert statistics.mean(d == "keep" for d in first) >= 0.9
+
+
+def test_under_the_value_rule_the_best_runs_again_as_ideas_are_judged_against_it():
+    """The best's mean serves every later comparison: it runs again until it has two fresh runs plus one per
+    two ideas judged against it (plan.grows); the noise gate keeps its own rule."""
+    from orchestrator.core import plan
+    from orchestrator.core.state import replay
+    from orchestrator.store.ledger import Evidence, Record
+
+    def rec(n, bpb, decision, group=0, status="discard"):
+        return Record(n, status, "", commit=f"c{n}", val_bpb=bpb, group=group, gate=Evidence(decision), device="cpu")
+
+    records = [rec(1, 1.0, "keep", status="keep"), rec(2, 1.01, "repeat", 1), rec(3, 0.99, "repeat", 1)]
+    records += [rec(4, 0.9, "keep", status="keep"), rec(5, 0.91, "repeat", 4), rec(6, 0.9, "repeat", 4)]
+    value_gate, noise_gate = Gate(mode="value"), Gate(mode="noise")
+    assert not plan.grows(replay(records, "c0"), value_gate, "cpu")  # two fresh runs, no idea judged yet
+    records.append(rec(7, 0.95, "discard"))
+    assert plan.grows(replay(records, "c0"), value_gate, "cpu")  # one idea: 2.5 runs wanted
+    assert not plan.grows(replay(records, "c0"), noise_gate, "cpu")
+    records.append(rec(8, 0.9, "repeat", 4))
+    assert not plan.grows(replay(records, "c0"), value_gate, "cpu")  # three runs
+    records += [rec(9, 0.95, "rerun"), rec(10, 0.95, "discard", 9)]  # one idea, whatever its runs
+    assert not plan.grows(replay(records, "c0"), value_gate, "cpu")
+    records += [rec(n, 0.95, "discard") for n in range(11, 40)]
+    records += [rec(n, 0.9, "repeat", 4) for n in range(40, 49)]  # 12 fresh runs: the cap
+    assert not plan.grows(replay(records, "c0"), value_gate, "cpu")

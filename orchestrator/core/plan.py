@@ -19,7 +19,7 @@ from ..store.ledger import Record
 from .bundle import due, parked
 from .noise import COMPARISON_RUNS, parent_first
 from .pipeline import Prefetch, Prepared, carry, make_proposal
-from .state import Kind, State, group_of
+from .state import Decision, Kind, State, group_of
 
 if TYPE_CHECKING:
     from .workspace import Workspace
@@ -214,6 +214,29 @@ def fresh_runs(gate) -> int:
     return FRESH_RUNS if gate.mode == "value" else 1
 
 
+GROW_PER_IDEA = 0.5  # under the value rule the best runs again until it has this many runs per idea judged against it
+GROW_CAP = 12  # ... up to this many fresh runs (beside those its comparisons ask for)
+
+
+def grows(state: State, gate, device: str) -> bool:
+    """Under the value rule: is the best due another run before the next idea? Every later idea is compared
+    with the best's mean, so a run of it serves them all: it runs again until it has FRESH_RUNS + GROW_PER_IDEA
+    runs per idea judged against it since its keep (GROW_CAP at most). SMAC's intensification does the same for
+    its incumbent; simulated with σ and the prior known, it is what a night with a best measured twice lacks
+    (benchmarks/README.md, "The value rule")."""
+    if gate.mode != "value":
+        return False
+    judged = len(
+        {
+            group_of(r)
+            for r in state.records
+            if r.n > state.kept_at and r.device == device and r.gate.decision == Decision.DISCARD
+        }
+    )
+    have = len(state.comparator(device))
+    return have < min(GROW_CAP, fresh_runs(gate) + GROW_PER_IDEA * judged)
+
+
 def asked(state: State) -> int:
     """Runs of the best made since the pending candidate's first run: what its comparison has asked for."""
     return sum(1 for r in state.records if r.n > (state.pending or 0) and group_of(r) == state.best_group)
@@ -249,6 +272,8 @@ def plan(ws: Workspace, ideas: Ideas, state: State, slots: int) -> list[Prepared
         runs = [parent_run(state, f"no run of the best on {device} yet")]
     elif not runs and device and state.fresh(s.gate.mode, device) and tried_afresh(state, device) < fresh_runs(s.gate):
         runs = [parent_run(state, "a fresh run of the new best")]  # its keep's runs are biased low
+    elif not runs and device and state.fresh(s.gate.mode, device) and grows(state, s.gate, device):
+        runs = [parent_run(state, "the best measured again: every later idea is compared with it")]
     made = None
     if not runs and s.gate.bundle and len(parked(state)) >= s.gate.bundle:
         ideas.settle()  # the proposal worktree is free (an idea being made ahead is kept for later)
