@@ -134,3 +134,18 @@ def test_under_the_value_rule_the_best_runs_again_as_ideas_are_judged_against_it
     records += [rec(n, 0.95, "discard") for n in range(11, 40)]
     records += [rec(n, 0.9, "repeat", 4) for n in range(40, 49)]  # 12 fresh runs: the cap
     assert not plan.grows(replay(records, "c0"), value_gate, "cpu")
+
+
+def test_a_best_whose_runs_crash_is_not_asked_again_and_again():
+    from orchestrator.core import plan
+    from orchestrator.core.state import replay
+    from orchestrator.store.ledger import Evidence, Record
+
+    def rec(n, bpb, decision, group=0, status="discard"):
+        return Record(n, status, "", commit=f"c{n}", val_bpb=bpb, group=group, gate=Evidence(decision), device="cpu")
+
+    records = [rec(1, 1.0, "keep", status="keep"), rec(2, 1.01, "repeat", 1), rec(3, 0.9, "keep", 0, "keep")]
+    records += [rec(4, None, "", 3, "crash"), rec(5, None, "", 3, "crash"), rec(6, 0.95, "discard")]
+    assert plan.grows(replay(records, "c0"), Gate(mode="value"), "cpu")  # 2 tried, 2.5 wanted: once more
+    records.append(rec(7, None, "", 3, "crash"))
+    assert not plan.grows(replay(records, "c0"), Gate(mode="value"), "cpu")  # 3 tried: the next idea

@@ -215,7 +215,7 @@ def fresh_runs(gate) -> int:
 
 
 GROW_PER_IDEA = 0.5  # under the value rule the best runs again until it has this many runs per idea judged against it
-GROW_CAP = 12  # ... up to this many fresh runs (beside those its comparisons ask for)
+GROW_CAP = 12  # ... up to this many runs since its keep
 
 
 def grows(state: State, gate, device: str) -> bool:
@@ -233,8 +233,8 @@ def grows(state: State, gate, device: str) -> bool:
             if r.n > state.kept_at and r.device == device and r.gate.decision == Decision.DISCARD
         }
     )
-    have = len(state.comparator(device))
-    return have < min(GROW_CAP, fresh_runs(gate) + GROW_PER_IDEA * judged)
+    # its runs tried since the keep, counted or not: a best whose run crashes is not asked again and again
+    return tried_afresh(state, device) < min(GROW_CAP, fresh_runs(gate) + GROW_PER_IDEA * judged)
 
 
 def asked(state: State) -> int:
