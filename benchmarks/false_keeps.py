@@ -26,21 +26,16 @@ HOBBLE = ("MATRIX_LR = 0.04", "MATRIX_LR = 0.004")
 
 
 class NoOpProposer(Proposer):
-    """Edits that change nothing a computer would notice: comments and whitespace."""
+    """Edits that change nothing the training notices: an unused assignment (a comment or whitespace alone is
+    the same code to the idea memory, which skips it as a duplicate of the first: proposers/memory.py)."""
 
     name = "noop"
 
     def propose(self, workdir, history):
         path = workdir / "train.py"
         k = len(history)
-        source = path.read_text()
-        comment = k % 2 or "\n\n\ndef main():" not in source
-        if comment:
-            source += f"\n# no-op edit {k}\n"
-        else:
-            source = source.replace("\n\n\ndef main():", f"\n\n\n{'':<{k % 7}}\ndef main():", 1)
-        path.write_text(source)
-        return Proposal(f"no-op edit {k} ({'comment' if comment else 'whitespace'})")
+        path.write_text(path.read_text() + f"\n_no_op_{k} = {k}  # no-op edit {k}\n")
+        return Proposal(f"no-op edit {k} (an unused assignment)")
 
 
 class FixProposer(Proposer):
