@@ -624,6 +624,11 @@ def latest_figures(v: Verdict | None) -> dict:
     return {"latest": {"contribution": late.delta, "se": late.se, "runs": late.runs, "best_runs": late.best_runs}}
 
 
+def later_text(late: dict) -> str:
+    """How the console and report.md show a verdict's later figures (summary's "latest")."""
+    return f"with all {late['best_runs']} runs of the best: {late['contribution']:+.6f} ± {late['se']:.6f}"
+
+
 def transfer_table(ws: Workspace, records: list[Record], plan: Plan) -> dict:
     if "transfer" in plan.notes:
         return {"skipped": plan.notes["transfer"]}
@@ -695,10 +700,7 @@ def text(result: dict) -> list[str]:
         extra = f"; {c['note']}" if c["note"] else ""
         runs = f"{c['runs']} run{'s' * (c['runs'] != 1)}"
         if (late := c.get("latest")) and late.get("se") is not None:
-            extra += (
-                f"; decided on those runs; with all {late['best_runs']} runs of the best: "
-                f"{late['contribution']:+.6f} ± {late['se']:.6f}"
-            )
+            extra += f"; decided on those runs; {later_text(late)}"
         lines.append(f"#{c['n']} {c['description'][:60]}: contribution {fig} ({runs}): {c['verdict']}{extra}")
     m = result.get("minimal")
     if m:

@@ -17,6 +17,7 @@ import pandas as pd
 
 from ..core.holdout import disagreement
 from ..core.state import Decision, State, Status, group_of, load_state, replay
+from ..core.verify import later_text
 from ..store.ledger import Record, read_record
 from ..store.session import Paths
 from ..store.spend import Spend
@@ -445,10 +446,7 @@ def verify_lines(v: dict) -> list[str]:
         fig = f"{d:+.6f} ± {c['se']:.6f}" if d is not None and c.get("se") is not None else "-"
         note = f" ({c['note']})" if c.get("note") else ""
         if (late := c.get("latest")) and late.get("se") is not None:  # the figures are the deciding look's
-            note += (
-                f" (decided on these runs; with all {late['best_runs']} runs of the best: "
-                f"{late['contribution']:+.6f} ± {late['se']:.6f})"
-            )
+            note += f" (decided on these runs; {later_text(late)})"
         lines.append(f"| {c['n']} | {c['description']} | {fig} | {c['runs']} | {c['verdict']}{note} |")
     m = v.get("minimal")
     if m:
