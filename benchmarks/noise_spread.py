@@ -5,6 +5,11 @@ both alike, and prints per configuration: the val_bpb of each run, mean, standar
 optimizer steps each run took. Point --train at an older train.py (e.g. `git show REV:train.py > old.py`) to
 measure the spread before a change.
 
+Then the sd of the difference of two runs of one configuration (over every pair of its runs), as measured and
+adjusted for the steps each run reached (core/steps.py: val_bpb moved to the configuration's median step count
+along the slope of val_bpb on steps; the slope fitted on the *other* configuration's runs, so a configuration's
+own noise never fits its own adjustment).
+
     python benchmarks/noise_spread.py --runs 5 --budget 60 --profile cpu
 """
 
@@ -53,6 +58,12 @@ def run_once(workdir: Path, budget: float, profile: str, timeout: float) -> dict
     }
 
 
+def pair_sd(values: list[float]) -> float:
+    """The sd of the difference of two runs: the root mean square over every pair (the mean difference is 0)."""
+    diffs = [a - b for i, a in enumerate(values) for b in values[i + 1 :]]
+    return (sum(d * d for d in diffs) / len(diffs)) ** 0.5 if diffs else float("nan")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=5, help="runs per configuration")
@@ -92,6 +103,27 @@ def main() -> int:
         print(
             f"{name:10s} {statistics.fmean(v):7.4f} {statistics.stdev(v):7.4f} {max(v) - min(v):7.4f} "
             f"{min(steps):5d}-{max(steps):<5d}  " + " ".join(f"{x:.4f}" for x in v)
+        )
+    print("\nsd of the difference of two runs of one configuration (every pair), measured -> adjusted for steps")
+    from orchestrator.core import steps
+
+    points = {name: [(float(r["steps"]), r["val_bpb"]) for r in rs if "val_bpb" in r] for name, rs in runs.items()}
+    for name, own in points.items():
+        others = [p for n, p in points.items() if n != name]
+        centre = statistics.median(s for s, _ in own) if own else None
+        fit = steps.fit(others, centre)  # the slope from the other configuration's runs only (cross-fitted)
+        if len(own) < 2:
+            print(f"{name:10s} fewer than 2 runs")
+            continue
+        raw = [v for _, v in own]
+        adjusted = [steps.adjust(fit, s, v) for s, v in own] if fit else raw
+        how = (
+            f"slope {fit.slope:+.5f}/step (se {fit.se:.5f}) from the other configuration, to {centre:g} steps"
+            if fit
+            else "no slope clear of zero in the other configuration: nothing adjusted"
+        )
+        print(
+            f"{name:10s} {pair_sd(raw):.4f} -> {pair_sd(adjusted):.4f} ({pair_sd(adjusted) / pair_sd(raw):.0%}); {how}"
         )
     if args.out:
         args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs}, indent=1))

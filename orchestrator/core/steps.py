@@ -1,0 +1,82 @@
+"""Values adjusted for the steps a run reached (issue #45, item 2).
+
+Under a wall-clock budget the machine's speed decides how many optimizer steps a run makes, and its val_bpb
+follows: on a shared CPU two runs of one configuration that reach the same step count score the same to the
+last digit, and a run that reaches more steps scores better (benchmarks/README.md, "Run-to-run spread"). So
+the gates (not --gate strict: upstream's rule compares values as measured) compare values moved along the
+session's slope of val_bpb on steps to one common step count:
+
+- The slope is fitted within configurations: every configuration with two or more counted runs on the device,
+  each about its own means (least squares, pooled), and used only when its residual degrees of freedom reach
+  MIN_DOF and it is clear of zero by MIN_T standard errors. Otherwise nothing is adjusted (a GPU whose runs
+  all make the same steps; runs whose steps explain nothing).
+- The common step count is the median over the best's counted runs on the device.
+- Only configurations whose median step count lies within BAND of the machine's own scatter of steps (the sd
+  of a run's steps about its configuration's mean, relative, pooled) from the best's are moved: an edit that
+  makes training faster or slower beyond what the machine's noise can do keeps its value as measured, credit
+  and all. Inside that band an edit's own speed cannot be told from the machine's on a run or two, and is
+  taken as the best's.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+MIN_DOF = 4  # residual degrees of freedom of the pooled fit, at least
+MIN_T = 3.0  # the slope's t, at least (a slope the runs cannot tell from zero moves nothing)
+BAND = 3.0  # a configuration within this many sds of the machine's scatter of steps from the best's is moved
+
+
+@dataclass(frozen=True)
+class Fit:
+    slope: float  # val_bpb per step (negative: more steps score lower)
+    se: float  # its standard error
+    dof: int  # residual degrees of freedom
+    scatter: float  # the sd of a run's steps about its configuration's mean, as a share of that mean
+    reference: float  # the step count values are moved to (the best's median)
+
+    def band(self) -> float:
+        """How far (a share of the reference) a configuration's median steps may lie from the reference and
+        still be moved."""
+        return BAND * self.scatter
+
+
+def fit(groups: Iterable[list[tuple[float, float]]], reference: float | None) -> Fit | None:
+    """The pooled within-configuration slope of val_bpb on steps from groups of (steps, val_bpb) runs of one
+    configuration each; None when too few runs vary in steps, the slope is not clear of zero, or there is no
+    reference step count."""
+    sxx = sxy = syy = scatter_ss = 0.0
+    scatter_dof = 0
+    for runs in groups:
+        if len(runs) < 2:
+            continue
+        ms, mv = statistics.fmean(s for s, _ in runs), statistics.fmean(v for _, v in runs)
+        sxx += sum((s - ms) ** 2 for s, _ in runs)
+        sxy += sum((s - ms) * (v - mv) for s, v in runs)
+        syy += sum((v - mv) ** 2 for _, v in runs)
+        scatter_ss += sum((s / ms - 1) ** 2 for s, _ in runs) if ms > 0 else 0.0
+        scatter_dof += len(runs) - 1
+    dof = scatter_dof - 1  # a mean per configuration, and one slope for them all
+    if reference is None or reference <= 0 or sxx <= 0 or sxy == 0 or dof < MIN_DOF:
+        return None
+    slope = sxy / sxx
+    residual = max(syy - slope * sxy, 0.0) / dof
+    se = math.sqrt(residual / sxx)
+    if abs(slope) < MIN_T * se:
+        return None
+    return Fit(slope, se, dof, math.sqrt(scatter_ss / scatter_dof), reference)
+
+
+def moved(f: Fit | None, own_steps: list[float]) -> bool:
+    """Is a configuration whose runs reached `own_steps` moved to the reference? (Its median within the band.)"""
+    if f is None or not own_steps:
+        return False
+    return abs(statistics.median(own_steps) / f.reference - 1) <= f.band()
+
+
+def adjust(f: Fit, steps: float, value: float) -> float:
+    """val_bpb as the run would have scored at the reference step count, along the slope."""
+    return value - f.slope * (steps - f.reference)
