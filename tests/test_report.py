@@ -289,6 +289,13 @@ def test_report_improvement_per_training_hour_and_ideas_judged_per_hour(tmp_path
         "(baseline minus best)" in md
     )
     assert "- ideas judged: 2 (0.3 per hour)" in md
+    # the report leads with the held-out improvement, its noise (one model each: σ√2) and its rate
+    assert f["holdout_verdict"] == "beyond the noise" and 0.01 < f["holdout_improvement_se"] < 0.03
+    lead = md.splitlines()[2]
+    assert lead.startswith("**Held-out improvement +0.060000 bpb ± 0.0"), lead
+    assert lead.endswith(
+        "(beyond the noise), 0.014118 per training hour (CPU)** (baseline minus best, on the held-out split)"
+    )
 
     totals = session_totals(Workspace(Settings(repo=repo, tag="h"), lambda _: None), load_state(Paths(repo, "h")))
     assert totals["training_hours"] == pytest.approx(4.25) and totals["ideas_judged"] == 2
@@ -375,3 +382,19 @@ def test_the_report_checks_held_out_with_the_evaluation_the_session_had(tmp_path
         assert args == ["-I", "-S", "evaluate.py", "m.pt", "--split", "holdout", "--result", "r.json"]
     older = session_harness({"evaluator": ""}, tmp_path)
     assert evaluator_args(older, "m.pt", "holdout", "r.json")[:2] == ["prepare.py", "--evaluate"]
+
+
+def test_the_held_out_change_says_whether_it_is_beyond_the_noise():
+    from orchestrator.trust.evaluation import holdout_noise, holdout_text
+
+    def check(gain, sigma=None):
+        result = {"baseline": {"holdout_bpb": 1.1, "val_bpb": 1.0}, "best": {"holdout_bpb": 1.1 - gain, "val_bpb": 0.9}}
+        return holdout_noise({**result, **({"sigma": sigma} if sigma else {})}), holdout_text(result, sigma)
+
+    (se, verdict), text = check(0.02, sigma=0.01)  # 0.02 against 2 x 0.0141: one model each cannot tell
+    assert se == pytest.approx(0.01 * 2**0.5) and verdict == "within the noise of one model each"
+    assert "(-0.020000 ± 0.014142, within the noise of one model each; on validation -0.100000)" in text
+    assert check(0.05, sigma=0.01)[0][1] == "beyond the noise"
+    assert check(-0.05, sigma=0.01)[0][1] == "worse, beyond the noise"
+    (se, verdict), text = check(0.05)  # no σ: no verdict, the figures as they are
+    assert se is None and verdict == "" and "±" not in text

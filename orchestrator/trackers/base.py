@@ -222,8 +222,10 @@ def session_totals(ws: Workspace, state: State) -> dict[str, object]:
     counts = {s.value: sum(r.status == s for r in state.records) for s in Status}
     holdout = read_holdout(ws.paths)
     flag = disagreement(holdout, state.spread().sd)
+    contradicted = ",".join(f"#{n}" for n, _ in state.contradicted())  # keeps that later runs showed worse
     return {
         **({"holdout_disagrees": flag} if flag else {}),
+        **({"contradicted_keeps": contradicted} if contradicted else {}),
         **verify_totals(read_verify(ws.paths)),
         "experiments": state.done,
         **counts,

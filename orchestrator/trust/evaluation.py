@@ -176,12 +176,33 @@ def compare_printed(printed: float | None, measured: float) -> str:
     return ""
 
 
-def holdout_text(result: dict) -> str:
-    """One line for the console and the report: the held-out change next to the validation change, or why not."""
+HOLDOUT_T = 2.0  # the held-out change is beyond the noise when it is this many standard errors from zero
+
+
+def holdout_noise(result: dict, sigma: float | None = None) -> tuple[float | None, str]:
+    """(the standard error of the held-out change, whether it is beyond the noise). The check scores one saved
+    model of each, so the change carries two runs' noise: σ·√2, σ being the session's run-to-run spread of
+    val_bpb (`sigma`, else the one stored with the check) standing for the held-out split's. (None, '') without
+    σ (no configuration run twice) or a complete check."""
+    sigma = sigma if sigma is not None else result.get("sigma")
+    if result.get("error") or not isinstance(sigma, (int, float)) or not sigma > 0:
+        return None, ""
+    se = sigma * math.sqrt(2)
+    gain = result["baseline"]["holdout_bpb"] - result["best"]["holdout_bpb"]
+    if abs(gain) <= HOLDOUT_T * se:
+        return se, "within the noise of one model each"
+    return se, "beyond the noise" if gain > 0 else "worse, beyond the noise"
+
+
+def holdout_text(result: dict, sigma: float | None = None) -> str:
+    """One line for the console and the report: the held-out change next to the validation change, with its
+    uncertainty where σ is known (holdout_noise), or why there is none."""
     if result.get("error"):
         return f"not available: {result['error']}"
     b, w = result["baseline"], result["best"]
+    se, verdict = holdout_noise(result, sigma)
+    noise = f" ± {se:.6f}, {verdict}" if se is not None else ""
     return (
         f"baseline {b['holdout_bpb']:.6f} -> best {w['holdout_bpb']:.6f} "
-        f"({w['holdout_bpb'] - b['holdout_bpb']:+.6f}; on validation {w['val_bpb'] - b['val_bpb']:+.6f})"
+        f"({w['holdout_bpb'] - b['holdout_bpb']:+.6f}{noise}; on validation {w['val_bpb'] - b['val_bpb']:+.6f})"
     )

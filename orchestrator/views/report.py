@@ -21,7 +21,7 @@ from ..core.verify import later_text
 from ..store.ledger import Record, read_record
 from ..store.session import Paths
 from ..store.spend import Spend
-from ..trust.evaluation import holdout_text
+from ..trust.evaluation import holdout_noise, holdout_text
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -85,6 +85,7 @@ def facts(paths: Paths) -> dict:
         "holdout": holdout,
         "holdout_disagrees": disagreement(holdout, state.spread().sd),  # '' when it agrees (or no check)
         "contradicted": [{"n": n, "why": why} for n, why in state.contradicted()],
+        "sigma": state.spread().sd,
         "verify": read_verify(paths),
     }
 
@@ -118,6 +119,7 @@ def value(state: State, holdout: dict | None) -> dict:
         state.baseline_bpb - state.best_bpb if state.baseline_bpb is not None and state.best_bpb is not None else None
     )
     held_out = holdout_improvement(holdout)
+    se, verdict = holdout_noise(holdout, state.spread().sd) if holdout else (None, "")
     judged = ideas_judged(state)
     return {
         "hours": hours,
@@ -125,6 +127,8 @@ def value(state: State, holdout: dict | None) -> dict:
         "training_on_gpu": any(r.device not in ("", "cpu") for r in state.records),
         "val_improvement_per_training_hour": per_hour(on_validation, training),
         "holdout_improvement": held_out,
+        "holdout_improvement_se": se if held_out is not None else None,  # one model each: σ√2
+        "holdout_verdict": verdict if held_out is not None else "",
         "holdout_improvement_per_training_hour": per_hour(held_out, training),
         "ideas_judged": judged,
         "ideas_judged_per_hour": per_hour(judged, hours),
@@ -392,6 +396,8 @@ def cumulative_diff(paths: Paths, repo: Path, f: dict) -> str:
 
 def markdown(f: dict, diff: str, image: str | None) -> str:
     lines = [f"# autoloop report: {f['tag']}", ""]
+    if (lead := night_value_line(f)) is not None:
+        lines += [lead, ""]
     if f["best_bpb"] is not None:
         lines += [
             f"**val_bpb {f['baseline_bpb']:.6f} -> {f['best_bpb']:.6f}** "
@@ -411,7 +417,7 @@ def markdown(f: dict, diff: str, image: str | None) -> str:
     if f["llm_tokens"]:
         lines.append(f"- LLM: {f['llm_tokens']} tokens, ${f['llm_cost']:.2f}")
     if f["holdout"]:
-        lines.append(f"- held-out split: {holdout_text(f['holdout'])}")
+        lines.append(f"- held-out split: {holdout_text(f['holdout'], f.get('sigma'))}")
     if image:
         lines += ["", f"![progress]({image})"]
     lines += ["", "## Top improvements", "", "| # | commit | val_bpb | delta | description |", "|---|---|---|---|---|"]
@@ -484,6 +490,20 @@ def verify_lines(v: dict) -> list[str]:
 
 def _num(x: float | None, signed: bool = False) -> str:
     return "-" if x is None else f"{x:+.6f}" if signed else f"{x:.6f}"
+
+
+def night_value_line(f: dict) -> str | None:
+    """The report's first line: what the night bought on data no decision used, per training hour, and whether
+    it is beyond the noise (one model each: ± σ√2); None before a held-out check."""
+    gain = f.get("holdout_improvement")
+    if gain is None:
+        return None
+    unit = "GPU-hour" if f["training_on_gpu"] else "training hour (CPU)"
+    se = f.get("holdout_improvement_se")
+    noise = f" ± {se:.6f} ({f['holdout_verdict']})" if se is not None else " (its noise unknown: nothing run twice)"
+    rate = f["holdout_improvement_per_training_hour"]
+    per = f", {rate:.6f} per {unit}" if rate is not None else ""
+    return f"**Held-out improvement {gain:+.6f} bpb{noise}{per}** (baseline minus best, on the held-out split)"
 
 
 def value_lines(f: dict) -> list[str]:

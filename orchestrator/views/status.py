@@ -116,7 +116,7 @@ def holdout_status(paths: Paths, sigma: float | None) -> dict | None:
         return None
     if not isinstance(result, dict):
         return None
-    return {"text": holdout_text(result), "disagrees": disagreement(result, sigma)}
+    return {"text": holdout_text(result, sigma), "disagrees": disagreement(result, sigma)}
 
 
 def transfer_text(transfer: dict | str) -> str:
