@@ -102,11 +102,11 @@ def _judge(state: State, runs: list[Finished], gate: Gate) -> None:
         return state.others(run.record.device, state.best_group, group_of(run.record), extra=extra)
 
     def parent_on(device: str) -> list[float]:  # the best's fresh runs (State.comparator), this generation's too
-        runs = state.comparator(device, state.fresh(gate.mode, device), extra) + [
-            state.value(r.record, extra) for r in ok if r.kind == Kind.PARENT and r.record.device == device
+        runs = state.comparator(device, state.fresh(gate.mode, device)) + [
+            r.record.bpb for r in ok if r.kind == Kind.PARENT and r.record.device == device
         ]
         # its fresh run crashed or was slowed: the runs that kept it (biased low) rather than no comparison at all
-        return runs or state.comparator(device, fresh=False, extra=extra)
+        return runs or state.comparator(device, fresh=False)
 
     for run in ok:
         if run.kind == Kind.PARENT:
@@ -128,9 +128,8 @@ def _judge(state: State, runs: list[Finished], gate: Gate) -> None:
             run.record.gate = Evidence(Decision.DISCARD, runs=1, why=why, note=why)
             continue
         ideas = idea_effects(state, run.record.device, group_of(run.record)) if gate.mode == "value" else None
-        mine = [state.value(run.record, extra)]
-        verdict = judge(mine, parent, others(run), gate, run.shorter, ideas)
-        run.record.gate = gate_fields(verdict, mine, parent, steps_used(state, run.record, extra))
+        verdict = judge([run.record.bpb], parent, others(run), gate, run.shorter, ideas)
+        run.record.gate = gate_fields(verdict, [run.record.bpb], parent)
     if len(candidates) > 1:
         select(candidates)
     followups = [r for r in ok if r.kind in (Kind.RERUN, Kind.CONFIRM)]
@@ -141,7 +140,7 @@ def _judge(state: State, runs: list[Finished], gate: Gate) -> None:
         for run in followups:
             run.record.gate = Evidence(Decision.DISCARD, runs=1, note="discarded: another run of it was stopped early")
     elif followups:
-        settle(state, followups, parent_on, others(followups[-1]), gate, extra)
+        settle(state, followups, parent_on, others(followups[-1]), gate)
     if followups and any(r.record.gate.decision == Decision.RERUN for r in followups):
         for run in runs:  # a crashed run of the candidate does not undo "run it again"
             if run.crashed and run.kind in (Kind.RERUN, Kind.CONFIRM):
@@ -239,18 +238,14 @@ def select(candidates: list[Finished]) -> None:
             run.record.gate.note = "beat the parent, but not the best of its generation"
 
 
-def settle(
-    state: State, followups: list[Finished], parent_on, others: list[list[float]], gate: Gate, extra: list[Record]
-) -> None:
+def settle(state: State, followups: list[Finished], parent_on, others: list[list[float]], gate: Gate) -> None:
     """Decide a pending candidate on all its counted runs on the last run's device."""
     final = followups[-1]
     group, device = group_of(final.record), final.record.device
     confirming = any(r.gate.selection for r in state.records if group_of(r) == group)
     for run in followups[:-1]:
         run.record.gate = Evidence(Decision.CONFIRMING, runs=1, note="confirmation run")
-    values = state.runs(group, device, extra=extra) + [
-        state.value(r.record, extra) for r in followups if r.record.device == device
-    ]
+    values = state.runs(group, device) + [r.record.bpb for r in followups if r.record.device == device]
     parent = parent_on(device)
     if not parent:
         final.record.gate = Evidence(
@@ -259,7 +254,7 @@ def settle(
         return
     ideas = idea_effects(state, device, group) if gate.mode == "value" else None  # the value rule's prior only
     verdict = judge(values, parent, others, gate, final.shorter, ideas)
-    final.record.gate = gate_fields(verdict, values, parent, steps_used(state, final.record, extra))
+    final.record.gate = gate_fields(verdict, values, parent)
     if confirming:
         final.record.gate.confirmation = True
         n, figures = len(values), f"{verdict.delta:+.4f}, margin {verdict.margin:.4f}"
@@ -272,19 +267,9 @@ def settle(
         final.record.gate.note = note
 
 
-def steps_used(state: State, record: Record, extra: list[Record]) -> dict:
-    """How the candidate's values were adjusted for steps (steps.py), for its evidence; {} when they were not."""
-    fit, moved = state.steps_fit(record.device, extra) if state.adjust_steps else (None, set())
-    if fit is None or group_of(record) not in moved:
-        return {}
-    return {"steps_slope": fit.slope, "steps_reference": fit.reference}
-
-
-def gate_fields(
-    verdict: Verdict, candidate: list[float], parent: list[float], adjusted: dict | None = None
-) -> Evidence:
+def gate_fields(verdict: Verdict, candidate: list[float], parent: list[float]) -> Evidence:
     """The decision and its evidence: both means, spreads and run counts, the test, its statistic and the
-    threshold it had to clear at this look (and the slope the values were moved along, where they were)."""
+    threshold it had to clear at this look."""
     return Evidence(
         Decision(verdict.decision),
         runs=len(candidate),
@@ -293,7 +278,7 @@ def gate_fields(
         margin=verdict.margin,
         delta=verdict.delta,
         why=verdict.why,
-        stats={**verdict.evidence, **(adjusted or {})},
+        stats=dict(verdict.evidence),
     )
 
 
@@ -330,6 +315,5 @@ def _row_text(record: Record) -> tuple[float, str]:
     if g.stats.get("test") == "welch-t" and g.mean is not None and (g.decision == Decision.KEEP or g.runs > 1):
         note = "simplification, " if g.why.startswith("simplification") else ""
         runs = f"mean of {g.runs} runs" if g.runs > 1 else "1 run"
-        runs += " adjusted for steps" if "steps_slope" in g.stats else ""
         return g.mean, f"{record.description} ({note}{runs}, margin {g.margin or 0:.4f})"
     return record.val_bpb or 0.0, record.description

@@ -18,7 +18,6 @@ from enum import Enum
 from .. import LoopError
 from ..store.ledger import Record, read_record, read_rows
 from ..store.session import Paths
-from . import steps
 from .noise import Spread, reference_spread
 
 
@@ -127,10 +126,6 @@ class State:
     # counted runs found slowed from outside once later runs of their configuration showed its speed (a first
     # run has no twins to be judged against when it is decided): their values leave the means
     set_aside: set[int] = field(default_factory=set)
-    # the gate compares val_bpb adjusted for the steps each run reached (steps.py); the loop sets it for the
-    # noise and value gates, never for --gate strict; the views show values as measured
-    adjust_steps: bool = False
-    _fits: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def done(self) -> int:
@@ -149,49 +144,20 @@ class State:
             for r in self.records
         )
 
-    def value(self, record: Record, extra: Sequence[Record] = ()) -> float:
-        """The run's val_bpb as the gate compares it: adjusted for the steps it reached where `adjust_steps` and
-        the session's runs show a slope (steps.py; `extra`: this generation's runs, not yet in the records)."""
-        if not self.adjust_steps:
-            return record.bpb
-        fit, moved = self.steps_fit(record.device, extra)
-        made = record.metrics.get("num_steps")
-        if fit is None or group_of(record) not in moved or not isinstance(made, (int, float)):
-            return record.bpb
-        return steps.adjust(fit, float(made), record.bpb)
-
-    def steps_fit(self, device: str, extra: Sequence[Record] = ()) -> tuple[steps.Fit | None, set[int]]:
-        """The slope of val_bpb on steps on `device` and the configurations moved along it (steps.py)."""
-        key = (device, len(self.records), tuple(r.n for r in extra), self.best_group, frozenset(self.set_aside))
-        if key not in self._fits:
-            made: dict[int, list[tuple[float, float]]] = {}
-            for r in [*self.records, *extra]:
-                n = r.metrics.get("num_steps")
-                if r.device == device and self.counted(r) and isinstance(n, (int, float)) and n > 0:
-                    made.setdefault(group_of(r), []).append((float(n), r.bpb))
-            best = [n for n, _ in made.get(self.best_group, [])]
-            fit = steps.fit(made.values(), statistics.median(best) if best else None)
-            moved = {g for g, runs in made.items() if steps.moved(fit, [n for n, _ in runs])}
-            if len(self._fits) > 8:  # the records only grow: older keys are not asked again
-                self._fits.clear()
-            self._fits[key] = (fit, moved)
-        return self._fits[key]
-
-    def runs(self, group: int, device: str | None = None, after: int = 0, extra: Sequence[Record] = ()) -> list[float]:
-        """val_bpb of the counted runs of `group` (on `device` only, if given; numbered above `after` only), as
-        the gate compares them (`value`, with this generation's `extra` runs in the fit)."""
+    def runs(self, group: int, device: str | None = None, after: int = 0) -> list[float]:
+        """val_bpb of the counted runs of `group` (on `device` only, if given; numbered above `after` only)."""
         return [
-            self.value(r, extra)
+            r.bpb
             for r in self.records
             if group_of(r) == group and r.n > after and self.counted(r) and (device is None or r.device == device)
         ]
 
-    def comparator(self, device: str | None = None, fresh: bool = True, extra: Sequence[Record] = ()) -> list[float]:
+    def comparator(self, device: str | None = None, fresh: bool = True) -> list[float]:
         """val_bpb of the best's fresh runs (on `device` only, if given): those made after the run that kept it.
         The runs that won its keep are a selected sample (a sequential test stops when they look good), so a
         candidate is compared with fresh runs only, as the best's runs measured afterwards are unbiased.
         `fresh=False`: all its counted runs (upstream's rule, --gate strict, compares with the kept run)."""
-        return self.runs(self.best_group, device, after=self.kept_at if fresh else 0, extra=extra)
+        return self.runs(self.best_group, device, after=self.kept_at if fresh else 0)
 
     def fresh(self, mode: str, device: str) -> bool:
         """Is the best compared with its fresh runs only (`comparator`)? When the gate weighs run-to-run noise:
@@ -227,11 +193,11 @@ class State:
         return statistics.fmean(runs) if runs else None
 
     def groups(self, extra: Sequence[Record] = ()) -> dict[tuple[int, str], list[float]]:
-        """The counted runs of every (configuration, device type), as the gate compares them (`value`)."""
+        """The counted runs of every (configuration, device type)."""
         groups: dict[tuple[int, str], list[float]] = {}
         for r in [*self.records, *extra]:
             if self.counted(r):
-                groups.setdefault((group_of(r), r.device), []).append(self.value(r, extra))
+                groups.setdefault((group_of(r), r.device), []).append(r.bpb)
         return groups
 
     def others(self, device: str, *exclude: int, extra: Sequence[Record] = ()) -> list[list[float]]:

@@ -1,21 +1,16 @@
-"""Values adjusted for the steps a run reached (issue #45, item 2).
+"""Values adjusted for the steps a run reached (issue #45, item 2): measured by benchmarks/noise_spread.py, not
+used by the gates yet (docs/trust.md, "Values at the same step count": on a run or two an edit's own speed cannot
+be told from the machine's).
 
 Under a wall-clock budget the machine's speed decides how many optimizer steps a run makes, and its val_bpb
 follows: on a shared CPU two runs of one configuration that reach the same step count score the same to the
-last digit, and a run that reaches more steps scores better (benchmarks/README.md, "Run-to-run spread"). So
-the gates (not --gate strict: upstream's rule compares values as measured) compare values moved along the
-session's slope of val_bpb on steps to one common step count:
+last digit, and a run that reaches more steps scores better (benchmarks/README.md, "Run-to-run spread").
 
-- The slope is fitted within configurations: every configuration with two or more counted runs on the device,
-  each about its own means (least squares, pooled), and used only when its residual degrees of freedom reach
-  MIN_DOF and it is clear of zero by MIN_T standard errors. Otherwise nothing is adjusted (a GPU whose runs
-  all make the same steps; runs whose steps explain nothing).
-- The common step count is the median over the best's counted runs on the device.
-- Only configurations whose median step count lies within BAND of the machine's own scatter of steps (the sd
-  of a run's steps about its configuration's mean, relative, pooled) from the best's are moved: an edit that
-  makes training faster or slower beyond what the machine's noise can do keeps its value as measured, credit
-  and all. Inside that band an edit's own speed cannot be told from the machine's on a run or two, and is
-  taken as the best's.
+- The slope is fitted within configurations: every configuration with two or more runs, each about its own
+  means (least squares, pooled), and given only when its residual degrees of freedom reach MIN_DOF and it is
+  clear of zero by MIN_T standard errors.
+- `moved`: whether a configuration's median step count lies within BAND of the machine's own scatter of steps
+  (the sd of a run's steps about its configuration's mean, relative, pooled) from the reference.
 """
 
 from __future__ import annotations

@@ -274,7 +274,6 @@ class Workspace:
                 },
             )
         state = replay(load_records(self.paths), start_commit)
-        state.adjust_steps = self.settings.gate.mode != "strict"  # upstream's rule compares values as measured
         if not self.paths.spend.exists():  # a session from before the spend ledger: what its records carry
             tokens, cost = state.usage()
             self.spend.add({"total_tokens": tokens, "cost": cost}, "recorded before the spend ledger")
