@@ -139,6 +139,7 @@ def test_local_directory_dataset(tmp_path):
     assert "130 documents" in proc.stdout
 
 
+@pytest.mark.slow  # prepares a 200-document corpus twice, a tokenizer each time (~20 s)
 def test_training_reads_documents_in_a_fixed_mixed_order(tmp_path):
     """Train shards hold their documents in a fixed pseudo-random order (sorted by path, a run's last steps fell
     on one directory's files and where it stopped decided its score); val and holdout are mixed too, with another

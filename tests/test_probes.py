@@ -114,8 +114,8 @@ def test_a_hard_cheat_on_a_few_positions_passes_as_often_as_computed(ev):
     """5% of the positions, +5 to the next token's logit: it passes 64 probed rows with probability 0.95^64 = 3.7%."""
     share = 0.05
     forward = peeking(5.0, lambda x: (x * 7919 + torch.arange(T)[None, :] * 104729) % 1000 < share * 1000)
-    passed = sum(verdict(ev, forward, seed)[0] == "" for seed in range(60))
-    assert passed <= 8  # binomial(60, 0.037): 8 or more happens with probability < 0.1%
+    passed = sum(verdict(ev, forward, seed)[0] == "" for seed in range(40))
+    assert passed <= 6  # binomial(40, 0.037): 7 or more happens with probability 0.07% (seeds fixed: no flake)
 
 
 def test_rows_that_see_each_other_only_at_the_last_position_are_refused(ev):
