@@ -297,8 +297,13 @@ def test_report_improvement_per_training_hour_and_ideas_judged_per_hour(tmp_path
         "(beyond the noise), 0.014118 per training hour (CPU)** (baseline minus best, on the held-out split)"
     )
 
-    totals = session_totals(Workspace(Settings(repo=repo, tag="h"), lambda _: None), load_state(Paths(repo, "h")))
+    ws, state = Workspace(Settings(repo=repo, tag="h"), lambda _: None), load_state(Paths(repo, "h"))
+    totals = session_totals(ws, state)
     assert totals["training_hours"] == pytest.approx(4.25) and totals["ideas_judged"] == 2
+    assert "contradicted_keeps" not in totals and totals["holdout_verdict"] == "beyond the noise"
+    later = next(r for r in state.records if r.n == 8)  # B's run after its keep (#5), as if it had contradicted it
+    later.gate.stats["contradicts"], later.gate.note = 5, "contradicts keep #5"
+    assert session_totals(ws, state)["contradicted_keeps"] == "#5"
     assert totals["holdout_improvement_per_training_hour"] == pytest.approx(0.06 / 4.25)
     assert totals["ideas_judged_per_hour"] == pytest.approx(2 / 6.0)
 
