@@ -122,9 +122,8 @@ def main() -> int:
             if fit
             else "no slope clear of zero in the other configuration: nothing adjusted"
         )
-        print(
-            f"{name:10s} {pair_sd(raw):.4f} -> {pair_sd(adjusted):.4f} ({pair_sd(adjusted) / pair_sd(raw):.0%}); {how}"
-        )
+        before, after = pair_sd(raw), pair_sd(adjusted)
+        print(f"{name:10s} {before:.4f} -> {after:.4f} ({after / before:.0%}); {how}")
     if args.out:
         args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs}, indent=1))
     return 0

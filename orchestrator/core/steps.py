@@ -9,8 +9,7 @@ last digit, and a run that reaches more steps scores better (benchmarks/README.m
 - The slope is fitted within configurations: every configuration with two or more runs, each about its own
   means (least squares, pooled), and given only when its residual degrees of freedom reach MIN_DOF and it is
   clear of zero by MIN_T standard errors.
-- `moved`: whether a configuration's median step count lies within BAND of the machine's own scatter of steps
-  (the sd of a run's steps about its configuration's mean, relative, pooled) from the reference.
+- The machine's scatter of steps: the sd of a run's steps about its configuration's mean, relative, pooled.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ from dataclasses import dataclass
 
 MIN_DOF = 4  # residual degrees of freedom of the pooled fit, at least
 MIN_T = 3.0  # the slope's t, at least (a slope the runs cannot tell from zero moves nothing)
-BAND = 3.0  # a configuration within this many sds of the machine's scatter of steps from the best's is moved
 
 
 @dataclass(frozen=True)
@@ -31,12 +29,7 @@ class Fit:
     se: float  # its standard error
     dof: int  # residual degrees of freedom
     scatter: float  # the sd of a run's steps about its configuration's mean, as a share of that mean
-    reference: float  # the step count values are moved to (the best's median)
-
-    def band(self) -> float:
-        """How far (a share of the reference) a configuration's median steps may lie from the reference and
-        still be moved."""
-        return BAND * self.scatter
+    reference: float  # the step count values are moved to
 
 
 def fit(groups: Iterable[list[tuple[float, float]]], reference: float | None) -> Fit | None:
@@ -63,13 +56,6 @@ def fit(groups: Iterable[list[tuple[float, float]]], reference: float | None) ->
     if abs(slope) < MIN_T * se:
         return None
     return Fit(slope, se, dof, math.sqrt(scatter_ss / scatter_dof), reference)
-
-
-def moved(f: Fit | None, own_steps: list[float]) -> bool:
-    """Is a configuration whose runs reached `own_steps` moved to the reference? (Its median within the band.)"""
-    if f is None or not own_steps:
-        return False
-    return abs(statistics.median(own_steps) / f.reference - 1) <= f.band()
 
 
 def adjust(f: Fit, steps: float, value: float) -> float:

@@ -221,7 +221,8 @@ def session_totals(ws: Workspace, state: State) -> dict[str, object]:
 
     counts = {s.value: sum(r.status == s for r in state.records) for s in Status}
     holdout = read_holdout(ws.paths)
-    flag = disagreement(holdout, state.spread().sd)
+    sigma = state.spread().sd
+    flag = disagreement(holdout, sigma)
     contradicted = ",".join(f"#{n}" for n, _ in state.contradicted())  # keeps that later runs showed worse
     return {
         **({"holdout_disagrees": flag} if flag else {}),
@@ -232,7 +233,7 @@ def session_totals(ws: Workspace, state: State) -> dict[str, object]:
         "baseline_val_bpb": state.baseline_bpb,
         "llm_tokens": ws.spend.tokens,
         "llm_cost_usd": ws.spend.cost,
-        **value(state, holdout),
+        **value(state, holdout, sigma),
     }  # best_val_bpb: the last of its history
 
 

@@ -65,6 +65,7 @@ def facts(paths: Paths) -> dict:
     if not paths.spend.exists():  # a session from before the spend ledger: what its records carry
         tokens, cost = state.usage()
     holdout = read_holdout(paths)
+    sigma = state.spread().sd  # the session's run-to-run spread: the held-out check's noise is judged against it
     return {
         "tag": paths.tag,
         "experiments": len(df),
@@ -79,13 +80,13 @@ def facts(paths: Paths) -> dict:
         "delta_percent": 100 * (best - baseline) / baseline if best is not None and baseline else None,
         "top_improvements": sorted(improvements, key=lambda i: i["delta"])[:10],
         "crash_reasons": dict(crash_reasons.most_common()),
-        **value(state, holdout),
+        **value(state, holdout, sigma),
         "llm_tokens": tokens,
         "llm_cost": cost,
         "holdout": holdout,
-        "holdout_disagrees": disagreement(holdout, state.spread().sd),  # '' when it agrees (or no check)
+        "holdout_disagrees": disagreement(holdout, sigma),  # '' when it agrees (or no check)
         "contradicted": [{"n": n, "why": why} for n, why in state.contradicted()],
-        "sigma": state.spread().sd,
+        "sigma": sigma,
         "verify": read_verify(paths),
     }
 
@@ -109,7 +110,7 @@ def read_holdout(paths: Paths) -> dict | None:
 # The night's value against its compute
 
 
-def value(state: State, holdout: dict | None) -> dict:
+def value(state: State, holdout: dict | None, sigma: float | None) -> dict:
     """What the session bought with its compute. An improvement is the baseline's val_bpb minus the best's (bits
     per byte; positive when the best is better), per training hour (GPU-hours on GPUs: each run trains on one);
     the held-out one once the held-out check was made. The pace: candidate ideas the gate decided per hour."""
@@ -119,7 +120,7 @@ def value(state: State, holdout: dict | None) -> dict:
         state.baseline_bpb - state.best_bpb if state.baseline_bpb is not None and state.best_bpb is not None else None
     )
     held_out = holdout_improvement(holdout)
-    se, verdict = holdout_noise(holdout, state.spread().sd) if holdout else (None, "")
+    se, verdict = holdout_noise(holdout, sigma) if holdout else (None, "")
     judged = ideas_judged(state)
     return {
         "hours": hours,
