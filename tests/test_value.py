@@ -186,3 +186,12 @@ def test_a_near_miss_is_revisited_once_another_run_of_it_is_worth_more_than_a_ne
     )
     elsewhere = replace(candidate, parent="c4")  # made on another best: a bundle may use it, a rerun may not
     assert plan.revisitable(replay([*records, elsewhere, *later], "c0"), value_gate, "cpu") is None
+    crashed = Record(34, "crash", "", commit="c16", parent="c13", group=16, device="cpu")  # its revisit crashed
+    assert plan.revisitable(replay([*records, candidate, *later, crashed], "c0"), value_gate, "cpu") is None
+    # every other configuration's runs identical: the judge's rule for a spread of 0, not a value to weigh
+    same = [rec(1, 1.0, "keep", status="keep", parent="c0"), rec(2, 1.01, "repeat", 1), rec(3, 0.99, "repeat", 1)]
+    same += [rec(4, 0.95, "discard", delta=0.05, se=SE), rec(5, 0.95, "discard", 4)]
+    same += [rec(6, 1.02, "discard", delta=-0.02, se=SE), rec(7, 1.02, "discard", 6)]
+    same += [rec(8, 0.999, "discard", delta=0.001, se=SE, gain=0.0005, parked=True)]
+    assert judge([0.999], [1.0, 1.01, 0.99], [[0.95, 0.95], [1.02, 1.02]], value_gate, False).decision == "rerun"
+    assert plan.revisitable(replay(same, "c0"), value_gate, "cpu") is None

@@ -298,8 +298,8 @@ def judge_value(
     ideas: list[tuple[float, float]],
 ) -> Verdict:
     """The value rule (value.py): keep when the candidate is very likely better, run it again while another run
-    is worth more than a new idea's, else discard. Standard errors are widened by the t distribution's tails at
-    its degrees of freedom (few runs: a spread known roughly)."""
+    is worth more than a new idea's, else discard. The likelihood is normal at the comparison's standard error
+    (value.HEAVY_TAILS: Student's t at its degrees of freedom, tried, kept too little early)."""
     from . import value
 
     delta, look = b.mean - c.mean, len(candidate)

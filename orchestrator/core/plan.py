@@ -251,33 +251,46 @@ def revisitable(state: State, gate, device: str) -> int | None:
     chosen: tuple[float, int] | None = None
     for group in parked(state):
         record, values = first[group], state.runs(group, device)
-        made = sum(1 for r in state.records if group_of(r) == group)
-        if record.parent != state.best_commit or record.device != device or not values or made >= gate.max_repeats:
-            continue  # judged against another best (a bundle may still use it), or out of looks
+        last = [r for r in state.records if group_of(r) == group][-1]
+        if record.parent != state.best_commit or record.device != device or not values:
+            continue  # judged against another best (a bundle may still use it)
+        if last.gate.decision != Decision.DISCARD:
+            continue  # its last run crashed, overran or was slowed: not asked again (a rerun ends so too)
         others = state.others(device, state.best_group, group)
         verdict = judge(values, parent, others, gate, False, idea_effects(state, device, group))
+        e = verdict.evidence  # (its looks are its counted runs: the judge discards at the last one)
+        if verdict.decision == "rerun" and "rerun_value" not in e:
+            continue  # every run so far identical (noise.judge): a rule of its own, not the value of a run
         if verdict.decision not in ("keep", "rerun"):
             continue
-        e = verdict.evidence
         worth = math.inf if verdict.decision == "keep" else e["rerun_value"] / max(e["run_value"], 1e-12)
         if chosen is None or worth > chosen[0]:
             chosen = (worth, group)
     return None if chosen is None else chosen[1]
 
 
-def revisit(ws: Workspace, state: State, device: str) -> Prepared | None:
-    """The near miss worth another run now (`revisitable`), run again on the best with its earlier runs pooled:
-    a rerun, which the judge settles on all of them (kept, run again, or discarded and parked again)."""
+def revisit(ws: Workspace, state: State, device: str, slots: int) -> list[Prepared]:
+    """The near miss worth another run now (`revisitable`), run again on the best with its earlier runs pooled,
+    as a pending candidate is: its runs on the slots (its looks allowing), the best's on the others; the judge
+    settles it on all of them (kept, run again, or discarded and parked again). [] when none is worth a run."""
     group = revisitable(state, ws.settings.gate, device)
     if group is None:
-        return None
+        return []
     record = next(r for r in state.records if r.n == group)
     made = sum(1 for r in state.records if group_of(r) == group)
     looks = ws.settings.gate.max_repeats
-    info = {"repeat": made + 1, "revisit": True}
-    return again(
-        ws, state, record, f"{record.description} (near miss revisited: run {made + 1}/{looks})", info, Kind.RERUN
-    )
+    k = max(1, min(slots, looks - len(state.runs(group, device))))
+    return [
+        again(
+            ws,
+            state,
+            record,
+            f"{record.description} (near miss revisited: run {made + i + 1}/{looks})",
+            {"repeat": made + i + 1, "revisit": True},
+            Kind.RERUN,
+        )
+        for i in range(k)
+    ] + [parent_run(state, "confirmation") for _ in range(slots - k)]
 
 
 def asked(state: State) -> int:
@@ -317,8 +330,8 @@ def plan(ws: Workspace, ideas: Ideas, state: State, slots: int) -> list[Prepared
         runs = [parent_run(state, "a fresh run of the new best")]  # its keep's runs are biased low
     elif not runs and device and state.fresh(s.gate.mode, device) and grows(state, s.gate, device):
         runs = [parent_run(state, "the best measured again: every later idea is compared with it")]
-    if not runs and device and state.fresh(s.gate.mode, device) and (back := revisit(ws, state, device)) is not None:
-        return [back] + [parent_run(state, "confirmation") for _ in range(slots - 1)]
+    if not runs and device and state.fresh(s.gate.mode, device) and (back := revisit(ws, state, device, slots)):
+        return back
     made = None
     if not runs and s.gate.bundle and len(parked(state)) >= s.gate.bundle:
         ideas.settle()  # the proposal worktree is free (an idea being made ahead is kept for later)
