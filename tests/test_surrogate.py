@@ -253,8 +253,7 @@ def test_the_benchmark_stops_losing_runs_of_the_real_loop_and_counts_their_compu
     assert stopped_ideas and min(stopped_ideas) < -1.0  # stopped ideas count, with their true gain: losers mostly
 
 
-@pytest.mark.slow
-def test_under_the_value_rule_a_near_miss_is_revisited_with_its_runs_pooled(tmp_path):
+def test_under_the_value_rule_a_near_miss_is_revisited_with_its_runs_pooled(tmp_path):  # ~15 s: plan() itself
     """A real session on the tiny-5s surrogate: a candidate discarded as a near miss (then a new idea's run was
     worth more) is run again once the best has been measured again (plan.revisit), and judged on all its runs."""
     from search_quality import surrogate_session
