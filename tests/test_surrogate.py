@@ -251,28 +251,3 @@ def test_the_benchmark_stops_losing_runs_of_the_real_loop_and_counts_their_compu
     assert true_value(source, "tiny", str(curve_model)) == pytest.approx(finished.metrics["true_bpb"], abs=2e-6)
     stopped_ideas = [gain for gain, _, stop in result["candidates"] if stop]
     assert stopped_ideas and min(stopped_ideas) < -1.0  # stopped ideas count, with their true gain: losers mostly
-
-
-def test_under_the_value_rule_a_near_miss_is_revisited_with_its_runs_pooled(tmp_path):  # ~15 s: plan() itself
-    """A real session on the tiny-5s surrogate: a candidate discarded as a near miss (then a new idea's run was
-    worth more) is run again once the best has been measured again (plan.revisit), and judged on all its runs."""
-    from search_quality import surrogate_session
-
-    from orchestrator.core.state import group_of
-    from orchestrator.store.ledger import read_record, read_rows
-    from orchestrator.store.session import Paths
-
-    model = ROOT / "benchmarks" / "surrogate" / "tiny-5s.npz"
-    surrogate_session((str(model), "tiny", "search", "value", 3, 20, str(tmp_path)))
-    repo = tmp_path / "search-value-3" / "repo"
-    records = [read_record(Paths(repo, "bench").run_dir(n)) for n in range(1, 21)]
-    rows = read_rows(repo / "results.tsv")
-    back = [r for r in records if r is not None and r.info.get("revisit")]
-    assert back, [row.description for row in rows]
-    again = back[0]
-    first = records[group_of(again) - 1]
-    assert first is not None and group_of(again) < again.n
-    assert first.gate.decision == "discard" and first.gate.stats.get("parked")  # a near miss, dropped at first
-    made = sum(1 for r in records[: again.n] if r is not None and group_of(r) == group_of(again))
-    assert again.gate.runs == made >= 2  # judged on all its runs, the first one's included
-    assert "near miss revisited" in rows[again.n - 1].description

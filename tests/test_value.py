@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import random
 import statistics
-from dataclasses import replace
 
 import pytest
 
@@ -150,48 +149,3 @@ def test_a_best_whose_runs_crash_is_not_asked_again_and_again():
     assert plan.grows(replay(records, "c0"), Gate(mode="value"), "cpu")  # 2 tried, 2.5 wanted: once more
     records.append(rec(7, None, "", 3, "crash"))
     assert not plan.grows(replay(records, "c0"), Gate(mode="value"), "cpu")  # 3 tried: the next idea
-
-
-def test_a_near_miss_is_revisited_once_another_run_of_it_is_worth_more_than_a_new_idea_s():
-    """Discarded early in a night (gains were common, so a new idea's run was worth more), a candidate measured
-    3 sd better is parked; once later ideas turned out no better and the best was measured again, another run
-    of it is worth more than a new idea's, and the loop runs it again (plan.revisitable). Not right after its
-    discard (nothing changed), not under the noise gate, not once out of looks, not against another best."""
-    from orchestrator.core import plan
-    from orchestrator.core.judge import idea_effects
-    from orchestrator.core.state import replay
-    from orchestrator.store.ledger import Evidence, Record
-
-    def rec(n, bpb, decision, group=0, status="discard", parent="c1", **stats):
-        gate = Evidence(decision, delta=stats.pop("delta", None), stats=stats)
-        return Record(n, status, "", commit=f"c{n}", parent=parent, val_bpb=bpb, group=group, gate=gate, device="cpu")
-
-    records = [rec(1, 1.0, "keep", status="keep", parent="c0"), rec(2, 1.01, "repeat", 1), rec(3, 0.99, "repeat", 1)]
-    records += [rec(4 + i, 1.0 - d, "discard", delta=d, se=SE) for i, (d, _) in enumerate(EARLY)]  # runs 4-12
-    records += [rec(13, 0.97, "keep", status="keep"), rec(14, 0.975, "repeat", 13), rec(15, 0.965, "repeat", 13)]
-    candidate = rec(16, 0.94, "discard", parent="c13", delta=0.03, se=SE, gain=0.026, parked=True)
-    later = [rec(17 + i, 0.97 - d, "discard", parent="c13", delta=d, se=SE) for i, (d, _) in enumerate(LATE)]
-    later += [rec(29 + i, 0.97 + x, "repeat", 13) for i, x in enumerate((0.005, -0.005, 0.0, 0.01, -0.01))]
-    value_gate = Gate(mode="value")
-    # as the judge saw it at its discard: another run was worth less than a new idea's
-    state = replay(records, "c0")
-    ideas = idea_effects(state, "cpu", 16)
-    early = judge([0.94], state.comparator("cpu"), state.others("cpu", 13, 16), value_gate, False, ideas)
-    assert early.decision == "discard" and "worth less than a new idea" in early.why
-    assert plan.revisitable(replay([*records, candidate], "c0"), value_gate, "cpu") is None
-    assert plan.revisitable(replay([*records, candidate, *later], "c0"), value_gate, "cpu") == 16
-    assert plan.revisitable(replay([*records, candidate, *later], "c0"), Gate(mode="noise"), "cpu") is None
-    assert (
-        plan.revisitable(replay([*records, candidate, *later], "c0"), Gate(mode="value", max_repeats=1), "cpu") is None
-    )
-    elsewhere = replace(candidate, parent="c4")  # made on another best: a bundle may use it, a rerun may not
-    assert plan.revisitable(replay([*records, elsewhere, *later], "c0"), value_gate, "cpu") is None
-    crashed = Record(34, "crash", "", commit="c16", parent="c13", group=16, device="cpu")  # its revisit crashed
-    assert plan.revisitable(replay([*records, candidate, *later, crashed], "c0"), value_gate, "cpu") is None
-    # every other configuration's runs identical: the judge's rule for a spread of 0, not a value to weigh
-    same = [rec(1, 1.0, "keep", status="keep", parent="c0"), rec(2, 1.01, "repeat", 1), rec(3, 0.99, "repeat", 1)]
-    same += [rec(4, 0.95, "discard", delta=0.05, se=SE), rec(5, 0.95, "discard", 4)]
-    same += [rec(6, 1.02, "discard", delta=-0.02, se=SE), rec(7, 1.02, "discard", 6)]
-    same += [rec(8, 0.999, "discard", delta=0.001, se=SE, gain=0.0005, parked=True)]
-    assert judge([0.999], [1.0, 1.01, 0.99], [[0.95, 0.95], [1.02, 1.02]], value_gate, False).decision == "rerun"
-    assert plan.revisitable(replay(same, "c0"), value_gate, "cpu") is None

@@ -148,11 +148,8 @@ def _judge(state: State, runs: list[Finished], gate: Gate) -> None:
     for run in ok:
         if run.record.gate.decision == Decision.KEEP:
             run.record.status = Status.KEEP
-        elif (
-            (gate.bundle or gate.mode == "value") and run.kind != Kind.PARENT and near_miss(run.record.gate, gate.mode)
-        ):
-            # measured better, not proven: a bundle may hold it (bundle.py), the value rule may revisit it (plan.py)
-            run.record.gate.stats["parked"] = True
+        elif gate.bundle and run.kind != Kind.PARENT and near_miss(run.record.gate, gate.mode):
+            run.record.gate.stats["parked"] = True  # measured better, not proven: a bundle may hold it (bundle.py)
     rerun_taken = any(r.record.gate.decision == Decision.RERUN for r in ok) or (
         state.pending is not None and not followups
     )

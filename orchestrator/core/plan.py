@@ -17,8 +17,7 @@ from typing import TYPE_CHECKING
 from ..proposers import Proposer
 from ..store.ledger import Record
 from .bundle import due, parked
-from .judge import idea_effects
-from .noise import COMPARISON_RUNS, judge, parent_first
+from .noise import COMPARISON_RUNS, parent_first
 from .pipeline import Prefetch, Prepared, carry, make_proposal
 from .state import Decision, Kind, State, group_of
 
@@ -238,61 +237,6 @@ def grows(state: State, gate, device: str) -> bool:
     return tried_afresh(state, device) < min(GROW_CAP, fresh_runs(gate) + GROW_PER_IDEA * judged)
 
 
-def revisitable(state: State, gate, device: str) -> int | None:
-    """Under the value rule: the near miss judged against the current best that another run is now worth most
-    (its next run's worth against a new idea's; one its runs would already keep comes first), or None. It was
-    discarded when a run of a new idea was worth more; since then the best has been measured again and the
-    prior has learned from more ideas (late in a night most are no better), so the same runs may now call for
-    another look. Judged as the judge would settle it now (noise.judge on its runs, the best's fresh ones)."""
-    parent = state.comparator(device, state.fresh(gate.mode, device))
-    if gate.mode != "value" or not parent:
-        return None
-    first = {r.n: r for r in state.records}
-    chosen: tuple[float, int] | None = None
-    for group in parked(state):
-        record, values = first[group], state.runs(group, device)
-        last = [r for r in state.records if group_of(r) == group][-1]
-        if record.parent != state.best_commit or record.device != device or not values:
-            continue  # judged against another best (a bundle may still use it)
-        if last.gate.decision != Decision.DISCARD:
-            continue  # its last run crashed, overran or was slowed: not asked again (a rerun ends so too)
-        others = state.others(device, state.best_group, group)
-        verdict = judge(values, parent, others, gate, False, idea_effects(state, device, group))
-        e = verdict.evidence  # (its looks are its counted runs: the judge discards at the last one)
-        if verdict.decision == "rerun" and "rerun_value" not in e:
-            continue  # every run so far identical (noise.judge): a rule of its own, not the value of a run
-        if verdict.decision not in ("keep", "rerun"):
-            continue
-        worth = math.inf if verdict.decision == "keep" else e["rerun_value"] / max(e["run_value"], 1e-12)
-        if chosen is None or worth > chosen[0]:
-            chosen = (worth, group)
-    return None if chosen is None else chosen[1]
-
-
-def revisit(ws: Workspace, state: State, device: str, slots: int) -> list[Prepared]:
-    """The near miss worth another run now (`revisitable`), run again on the best with its earlier runs pooled,
-    as a pending candidate is: its runs on the slots (its looks allowing), the best's on the others; the judge
-    settles it on all of them (kept, run again, or discarded and parked again). [] when none is worth a run."""
-    group = revisitable(state, ws.settings.gate, device)
-    if group is None:
-        return []
-    record = next(r for r in state.records if r.n == group)
-    made = sum(1 for r in state.records if group_of(r) == group)
-    looks = ws.settings.gate.max_repeats
-    k = max(1, min(slots, looks - len(state.runs(group, device))))
-    return [
-        again(
-            ws,
-            state,
-            record,
-            f"{record.description} (near miss revisited: run {made + i + 1}/{looks})",
-            {"repeat": made + i + 1, "revisit": True},
-            Kind.RERUN,
-        )
-        for i in range(k)
-    ] + [parent_run(state, "confirmation") for _ in range(slots - k)]
-
-
 def asked(state: State) -> int:
     """Runs of the best made since the pending candidate's first run: what its comparison has asked for."""
     return sum(1 for r in state.records if r.n > (state.pending or 0) and group_of(r) == state.best_group)
@@ -330,8 +274,6 @@ def plan(ws: Workspace, ideas: Ideas, state: State, slots: int) -> list[Prepared
         runs = [parent_run(state, "a fresh run of the new best")]  # its keep's runs are biased low
     elif not runs and device and state.fresh(s.gate.mode, device) and grows(state, s.gate, device):
         runs = [parent_run(state, "the best measured again: every later idea is compared with it")]
-    if not runs and device and state.fresh(s.gate.mode, device) and (back := revisit(ws, state, device, slots)):
-        return back
     made = None
     if not runs and s.gate.bundle and len(parked(state)) >= s.gate.bundle:
         ideas.settle()  # the proposal worktree is free (an idea being made ahead is kept for later)
