@@ -6,22 +6,27 @@ optimizer steps each run took. Point --train at an older train.py (e.g. `git sho
 measure the spread before a change.
 
 Then the sd of the difference of two runs of one configuration (over every pair of its runs), as measured and
-adjusted for the steps each run reached (core/steps.py: val_bpb moved to the configuration's median step count
-along the slope of val_bpb on steps; the slope fitted on the *other* configuration's runs, so a configuration's
-own noise never fits its own adjustment).
+adjusted for the machine's load: val_bpb moved to a CPU share of 1 along the slope of val_bpb on the run's share
+of the CPU while it was ready to run (the controller's runner measures it: executors/runner.CpuShare), the slope
+fitted on the *other* configuration's runs, so a configuration's own noise never fits its own adjustment. (The
+gates do not adjust values so: docs/trust.md, "Values adjusted for the load: measured, refused".)
+
+Each run runs under the controller's runner (executors/runner.py). With --load N, busy processes beside the
+runs make the machine's load vary as a shared machine's does: the k-th pair of runs has k mod (N + 1) of them.
 
     python benchmarks/noise_spread.py --runs 5 --budget 60 --profile cpu
+    OMP_NUM_THREADS=1 python benchmarks/noise_spread.py --runs 12 --budget 30 --profile tiny --load 2
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,21 +46,50 @@ def variant(source: str, factor: float) -> str:
 
 
 def run_once(workdir: Path, budget: float, profile: str, timeout: float) -> dict:
+    from orchestrator.executors.runner import run_command
+
     env = {**os.environ, "AUTOLOOP_TIME_BUDGET": str(budget), "AUTOLOOP_PROFILE": profile}
-    t0 = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "train.py"], cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout
-    )
-    found = dict(re.findall(r"^(\w+):\s+(\S+)$", proc.stdout, re.M))
-    if proc.returncode or "val_bpb" not in found:
-        tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
-        return {"crash": " | ".join(tail), "wall": time.monotonic() - t0}
+    log = workdir / "run.log"
+    result = run_command([sys.executable, "train.py"], workdir, env, log, timeout)
+    text = log.read_text(errors="replace")
+    found = dict(re.findall(r"^(\w+):\s+(\S+)$", text, re.M))
+    if result.exit_code or "val_bpb" not in found:
+        return {"crash": " | ".join(text.strip().splitlines()[-3:]), "wall": result.wall_s}
     return {
         "val_bpb": float(found["val_bpb"]),
         "steps": int(found["num_steps"]),
         "training_seconds": float(found["training_seconds"]),
-        "wall": time.monotonic() - t0,
+        "cpu_share": result.cpu_share,
+        "wall": result.wall_s,
     }
+
+
+def _busy() -> None:
+    os.setsid()  # a session of its own, as another user's job: the kernel shares the CPU between sessions first
+    while True:
+        sum(range(100_000))
+
+
+def load_beside(n: int) -> list[multiprocessing.Process]:
+    """n busy processes (one core each), started now; terminate them when the run is over."""
+    procs = [multiprocessing.Process(target=_busy, daemon=True) for _ in range(n)]
+    for proc in procs:
+        proc.start()
+    return procs
+
+
+def load_slope(points: list[tuple[float, float]]) -> tuple[float, float] | None:
+    """The least-squares slope of val_bpb on the CPU share over (share, val_bpb) runs of one configuration and
+    its standard error; None where the shares do not vary."""
+    if len(points) < 3:
+        return None
+    mx, my = statistics.fmean(x for x, _ in points), statistics.fmean(y for _, y in points)
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    if sxx <= 0:
+        return None
+    slope = sum((x - mx) * (y - my) for x, y in points) / sxx
+    residual = sum((y - my - slope * (x - mx)) ** 2 for x, y in points) / (len(points) - 2)
+    return slope, (residual / sxx) ** 0.5
 
 
 def pair_sd(values: list[float]) -> float:
@@ -71,6 +105,7 @@ def main() -> int:
     ap.add_argument("--profile", default="cpu", choices=["gpu", "cpu", "tiny"])
     ap.add_argument("--train", type=Path, default=ROOT / "train.py", help="the train.py to measure")
     ap.add_argument("--lr-factor", type=float, default=2.0, help="the variant's learning rates x this")
+    ap.add_argument("--load", type=int, default=0, help="busy processes beside the k-th pair of runs: k mod (N + 1)")
     ap.add_argument("--out", type=Path, default=None, help="also write the runs as JSON here")
     args = ap.parse_args()
     source = args.train.read_text()
@@ -88,10 +123,21 @@ def main() -> int:
         t0 = time.monotonic()
         for k in range(args.runs):
             for name, d in dirs.items():
-                r = run_once(d, args.budget, args.profile, timeout=4 * args.budget + 120)
+                busy = load_beside(k % (args.load + 1))
+                try:
+                    r = run_once(d, args.budget, args.profile, timeout=4 * args.budget + 120)
+                finally:
+                    for proc in busy:
+                        proc.terminate()
+                        proc.join()
+                r["load"] = len(busy)
                 runs[name].append(r)
-                shown = f"{r['val_bpb']:.4f} in {r['steps']} steps" if "val_bpb" in r else f"crash: {r['crash']}"
-                print(f"[{time.monotonic() - t0:5.0f}s] run {k + 1} {name:10s} {shown}", flush=True)
+                shown = (
+                    f"{r['val_bpb']:.4f} in {r['steps']} steps, CPU share {r['cpu_share'] or 0:.3f}"
+                    if "val_bpb" in r
+                    else f"crash: {r['crash']}"
+                )
+                print(f"[{time.monotonic() - t0:5.0f}s] run {k + 1} {name:10s} {shown} ({len(busy)} busy)", flush=True)
     print(f"\n{args.runs} runs x {args.budget:g}s, profile {args.profile}, {args.train}")
     print(f"{'config':10s} {'mean':>7s} {'sd':>7s} {'range':>7s} {'steps':>11s}  runs")
     for name, rs in runs.items():
@@ -104,26 +150,30 @@ def main() -> int:
             f"{name:10s} {statistics.fmean(v):7.4f} {statistics.stdev(v):7.4f} {max(v) - min(v):7.4f} "
             f"{min(steps):5d}-{max(steps):<5d}  " + " ".join(f"{x:.4f}" for x in v)
         )
-    print("\nsd of the difference of two runs of one configuration (every pair), measured -> adjusted for steps")
-    from orchestrator.core import steps
-
-    points = {name: [(float(r["steps"]), r["val_bpb"]) for r in rs if "val_bpb" in r] for name, rs in runs.items()}
+    print("\nsd of the difference of two runs of one configuration (every pair), measured -> adjusted for the load")
+    points = {
+        name: [(r["cpu_share"], r["val_bpb"]) for r in rs if "val_bpb" in r and r.get("cpu_share")]
+        for name, rs in runs.items()
+    }
     for name, own in points.items():
-        others = [p for n, p in points.items() if n != name]
-        centre = statistics.median(s for s, _ in own) if own else None
-        fit = steps.fit(others, centre)  # the slope from the other configuration's runs only (cross-fitted)
         if len(own) < 2:
             print(f"{name:10s} fewer than 2 runs")
             continue
+        fit = load_slope(own)
+        mine = f"its own slope {fit[0]:+.4f} per unit of CPU share (se {fit[1]:.4f}); " if fit else ""
+        other = load_slope([p for n, ps in points.items() if n != name for p in ps])  # cross-fitted
         raw = [v for _, v in own]
-        adjusted = [steps.adjust(fit, s, v) for s, v in own] if fit else raw
-        how = (
-            f"slope {fit.slope:+.5f}/step (se {fit.se:.5f}) from the other configuration, to {centre:g} steps"
-            if fit
-            else "no slope clear of zero in the other configuration: nothing adjusted"
-        )
+        adjusted = [v - other[0] * (x - 1.0) for x, v in own] if other else raw
         before, after = pair_sd(raw), pair_sd(adjusted)
-        print(f"{name:10s} {before:.4f} -> {after:.4f} ({after / before:.0%}); {how}")
+        how = f"the other's slope {other[0]:+.4f} (se {other[1]:.4f})" if other else "no slope from the other"
+        print(f"{name:10s} {before:.4f} -> {after:.4f} ({after / before:.0%}); {mine}{how}")
+    from orchestrator.core.state import LOADED
+
+    usual = statistics.median(x for own in points.values() for x, _ in own)
+    print(f"\nthe same, of the runs the gates count (a CPU share of at least {LOADED:.0%} of the median, {usual:.3f})")
+    for name, own in points.items():
+        raw, counted = [v for _, v in own], [v for x, v in own if x >= LOADED * usual]
+        print(f"{name:10s} {pair_sd(raw):.4f} -> {pair_sd(counted):.4f} ({len(counted)} of {len(raw)} runs)")
     if args.out:
         args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs}, indent=1))
     return 0

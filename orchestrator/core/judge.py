@@ -20,7 +20,7 @@ from ..store.ledger import Evidence, Record, Row
 from ..trust import redaction
 from .bundle import near_miss
 from .noise import Gate, Verdict, judge
-from .state import DISTURBED, Decision, Kind, State, Status, group_of, throughput
+from .state import DISTURBED, LOADED, Decision, Kind, State, Status, cpu_share, group_of, throughput
 
 
 @dataclass
@@ -37,14 +37,19 @@ class Finished:
 
 def disturbance(state: State, run: Finished) -> str:
     """Why this run looks slowed from outside (another process on the CPU, a shared or throttled GPU), or '':
-    its throughput far below the median of its twins (counted runs of its configuration on its device), or, for
-    a new configuration, of the best's runs when the model has the same size. A configuration is given the
+    its share of the CPU while it was ready to run far below the median of the session's counted runs on its
+    device, its throughput far below the median of its twins (counted runs of its configuration on its device),
+    or, for a new configuration, of the best's runs when the model has the same size. A configuration is given the
     benefit of the doubt once: a second slow run is its own speed."""
     r = run.record
     group = group_of(r)
     if any(x.gate.disturbed and not x.info.get("overran") for x in state.records if group_of(x) == group):
         return ""  # (an overrun of the clock is another matter: trial.overrun)
     same = [x for x in state.records if state.counted(x) and x.device == r.device]
+    # the CPU the machine left it, a new configuration's run too: measured by the controller, not the edit's doing
+    shares = [s for s in map(cpu_share, same) if s]
+    if (mine := cpu_share(r)) and len(shares) >= 2 and mine < LOADED * (usual := statistics.median(shares)):
+        return f"disturbed: its CPU share {mine:.0%} while ready to run, the session's median {usual:.0%}"
     twins, unit, whose = [x for x in same if group_of(x) == group], "steps", "its twins'"
     if not twins and run.kind == Kind.CANDIDATE:
         size = r.metrics.get("num_params_M")

@@ -97,6 +97,14 @@ def counts(record: Record) -> bool:
 
 
 DISTURBED = 0.7  # a run below this share of its twins' median throughput was slowed from outside
+LOADED = 0.85  # a run whose CPU share fell below this share of the median waited on a busy machine
+CPU_SHARE = "cpu_share"  # the record's metric measured by the controller (runner.CpuShare), never by train.py
+
+
+def cpu_share(record: Record) -> float | None:
+    """How much of the CPU the run's busiest thread got while it was ready to run (runner.CpuShare), if known."""
+    share = record.metrics.get(CPU_SHARE)
+    return float(share) if isinstance(share, (int, float)) and 0 < share <= 1 else None
 
 
 def throughput(record: Record, unit: str) -> float | None:
@@ -235,19 +243,18 @@ class State:
 
     def _set_aside_slowed(self, group: int, device: str) -> None:
         """Of the counted runs of one configuration on one device, those whose steps per second fall below
-        DISTURBED of the median of at least two others (a first run slowed by another process: nothing to
-        compare it with when it was judged)."""
-        speeds = {
-            r.n: s
-            for r in self.records
-            if group_of(r) == group and r.device == device and counts(r) and (s := throughput(r, "steps"))
-        }
-        for n, speed in speeds.items():
-            others = [v for m, v in speeds.items() if m != n]
-            if len(others) >= 2 and speed < DISTURBED * statistics.median(others):
-                self.set_aside.add(n)
-            else:
-                self.set_aside.discard(n)
+        DISTURBED of the median of at least two others', or whose CPU share falls below LOADED of theirs (a first
+        run slowed by another process: nothing to compare it with when it was judged)."""
+        runs = [r for r in self.records if group_of(r) == group and r.device == device and counts(r)]
+        slowed: set[int] = set()
+        for measure, below in ((lambda r: throughput(r, "steps"), DISTURBED), (cpu_share, LOADED)):
+            values = {r.n: v for r in runs if (v := measure(r))}
+            for n, value in values.items():
+                others = [v for m, v in values.items() if m != n]
+                if len(others) >= 2 and value < below * statistics.median(others):
+                    slowed.add(n)
+        self.set_aside -= {r.n for r in runs} - slowed
+        self.set_aside |= slowed
 
 
 def replay(records: list[Record], start_commit: str) -> State:

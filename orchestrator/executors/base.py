@@ -105,6 +105,7 @@ class StepResult:
     wall_s: float
     log: Path
     killed: str = ""  # stopped at its memory limit: the crash reason (runner.memory_note), else ''
+    cpu_share: float | None = None  # how much of the CPU it got while ready to run (runner.CpuShare), if known
 
 
 @dataclass
@@ -350,7 +351,9 @@ def run_steps(
                     watches.append(curve)
                 stop = cancel if curve is None else _Either(curve.fired, cancel)
                 run = step(i, cancel=stop, on_output=_all(watches))
-            result.steps.append(StepResult(run.exit_code, run.timed_out, run.wall_s, out / job.logs[i], run.killed))
+            result.steps.append(
+                StepResult(run.exit_code, run.timed_out, run.wall_s, out / job.logs[i], run.killed, run.cpu_share)
+            )
             if keep is not None:  # (its processes are gone; one started early writes its own outputs only)
                 keep_only(out, keep, _scratch_names(scratch, out))
             by_rule = run.interrupted and curve is not None and curve.why and not (cancel and cancel.is_set())

@@ -189,7 +189,7 @@ def run_spec(spec: dict, src: Path, out: Path, cancel: threading.Event | None = 
     )
     result = run_steps(job, src, out, {}, cancel)
     return {
-        "steps": [(s.exit_code, s.timed_out, s.wall_s, s.log.name) for s in result.steps],
+        "steps": [(s.exit_code, s.timed_out, s.wall_s, s.log.name, s.killed, s.cpu_share) for s in result.steps],
         "modified": result.modified,
         "ages": result.ages,
         "device": result.device,
@@ -209,7 +209,9 @@ def job_result(data: dict, out: Path, slot: Slot) -> JobResult:
         where = f"; see {out / 'prepare.log'}" if (out / "prepare.log").exists() else ""
         return JobResult(infra_error=f"{data['infra_error']}{where}", slot=slot.index, node=data.get("node", ""))
     return JobResult(
-        steps=[StepResult(code, timed_out, wall, out / log) for code, timed_out, wall, log in data["steps"]],
+        steps=[
+            StepResult(code, timed_out, wall, out / log, *more) for code, timed_out, wall, log, *more in data["steps"]
+        ],
         modified=data["modified"],
         ages=data["ages"],
         device=data["device"],

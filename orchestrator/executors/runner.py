@@ -34,6 +34,7 @@ FLUSH_S = 0.5  # how often a capped log's tail is written out while the run goes
 CANCEL_TICK_S = 0.05  # how often a command that may be stopped looks whether it was
 GATE_TICK_S = 0.02  # how often a command started early checks whether it may have its stdin
 MEMORY_TICK_S = 0.25  # how often the memory a command's processes hold is measured (under a memory limit)
+SHARE_TICK_S = 1.0  # how often the CPU time of a command's threads, and their wait for a CPU, is read
 GIB = 1 << 30
 # What a process prints when an allocation fails (Python, torch's CPU allocator, C++, glibc): under an address
 # space limit, the limit's doing
@@ -181,6 +182,43 @@ class RunResult:
     log_path: Path
     interrupted: bool = False
     killed: str = ""  # why it ended at a limit of ours other than the timeout ("memory limit: ..."), else ''
+    cpu_share: float | None = None  # CpuShare.share(): how much of the CPU its busiest thread got; None: unknown
+
+
+class CpuShare:
+    """How much of the CPU the command got while it was ready to run, from the kernel's accounting of each
+    thread's time on a CPU and its time waiting for one (Linux `/proc/PID/task/TID/schedstat`), read every
+    SHARE_TICK_S. On a machine other processes keep busy a run waits for the CPU and, under a wall-clock budget,
+    reaches fewer steps; the wait is the machine's doing, not the run's: an edit that makes training slower
+    spends as long ready to run, so its share stays (judge.disturbance sets aside a run that waited).
+
+    The share is that of the thread that spent the most time on a CPU (the training loop's): threads that only
+    wait (at the lowest priority, or pinned beside each other) drag no average down, and a thread that ran at
+    least as long as the training loop, in a run no longer than the wall clock, waited at most what is left of
+    it. None where the kernel keeps no such account (not Linux) or the run ended before the first reading."""
+
+    def __init__(self) -> None:
+        self.threads: dict[int, tuple[int, int]] = {}  # thread id -> (ns on a CPU, ns ready but waiting), last read
+
+    def sample(self, pid: int) -> None:
+        for proc in [pid, *(p.pid for p in _descendants(pid))]:
+            try:
+                tids = os.listdir(f"/proc/{proc}/task")
+            except OSError:
+                continue
+            for tid in tids:
+                try:
+                    with open(f"/proc/{proc}/task/{tid}/schedstat", "rb") as f:
+                        on, wait = (int(v) for v in f.read().split()[:2])
+                except (OSError, ValueError):
+                    continue
+                self.threads[int(tid)] = (on, wait)
+
+    def share(self) -> float | None:
+        if not self.threads:
+            return None
+        on, wait = max(self.threads.values())
+        return on / (on + wait) if on > 0 else None
 
 
 def tree_memory(pid: int, limit: int | None = None) -> int:
@@ -468,7 +506,8 @@ def run_command(
     timed_out = interrupted = False
     killed = ""
     reaped: dict[int, int | None] = {}
-    ticked = measured = time.monotonic()
+    ticked = measured = shared = time.monotonic()
+    share = CpuShare()
     try:
         while True:
             if not written and (stdin_gate is None or stdin_gate.is_set()):
@@ -505,6 +544,9 @@ def run_command(
                         reaped = kill_tree(proc.pid, pgid, grace_s=0.5)  # it may grow on while it dies
                         _reap(proc)
                         break
+                if time.monotonic() - shared >= SHARE_TICK_S:
+                    shared = time.monotonic()
+                    share.sample(proc.pid)
                 if on_tick is not None and time.monotonic() - ticked >= tick_s:
                     ticked = time.monotonic()
                     on_tick(ticked - start)
@@ -529,6 +571,7 @@ def run_command(
         log_path=log_path,
         interrupted=interrupted,
         killed=killed,
+        cpu_share=share.share(),
     )
 
 

@@ -1,0 +1,133 @@
+"""The machine's load: the share of the CPU the runner measures for a run (executors/runner.CpuShare, real
+processes pinned to one CPU), recorded by the controller only, and a run that waited on a busy machine set aside
+and run again, a new configuration's first run too (judge.disturbance, State.set_aside)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from orchestrator.core.judge import Finished, decide
+from orchestrator.core.noise import Gate
+from orchestrator.core.state import CPU_SHARE, Kind, replay
+from orchestrator.executors.runner import run_command
+from orchestrator.store.ledger import Evidence, Record
+
+
+def record(n: int, bpb: float, share: float | None, group: int = 0, decision: str = "repeat", params=1.0) -> Record:
+    metrics = {"num_steps": 100, "training_seconds": 10.0, "total_tokens_M": 10.0, "num_params_M": params}
+    return Record(
+        n=n,
+        status="keep" if decision == "keep" else "discard",
+        description=f"run {n}",
+        commit=f"c{group or n}",
+        val_bpb=bpb,
+        gate=Evidence(decision, runs=1),
+        device="cpu",
+        group=group,
+        metrics=metrics if share is None else {**metrics, CPU_SHARE: share},
+    )
+
+
+# the baseline, run 3 times on a quiet machine
+QUIET = [record(1, 2.0, 0.99, decision="keep"), record(2, 2.01, 0.98, group=1), record(3, 1.99, 0.99, group=1)]
+
+
+def judged(run: Record, session=QUIET, kind=Kind.CANDIDATE, mode="noise"):
+    return decide(replay(list(session), "c0"), [Finished(run, kind)], Gate(mode))[0].gate
+
+
+@pytest.mark.parametrize("mode", ["noise", "value", "strict"])
+def test_a_new_configurations_run_on_a_busy_machine_is_run_again_not_judged(mode):
+    # a bigger model (its tokens per second cannot be compared with the best's), run while two other jobs took
+    # the CPU: by luck of the timing it scored far better; its steps say nothing (no twins), its share does
+    lucky = record(4, 1.80, 0.63, params=2.0)
+    gate = judged(lucky, mode=mode)
+    assert str(gate.decision) == "rerun" and "CPU share 63%" in gate.disturbed, gate
+    # the same run with the CPU to itself is judged (and, so much better, kept or run again as promising)
+    assert not judged(record(4, 1.80, 0.97, params=2.0), mode=mode).disturbed
+    # a second run of it on the busy machine is its configuration's own: judged (the benefit of the doubt once)
+    first = record(4, 1.80, 0.63, params=2.0)
+    first.gate = Evidence("rerun", runs=1, disturbed="disturbed: its CPU share 63%")
+    again = record(5, 1.95, 0.64, group=4, params=2.0)
+    assert not judged(again, [*QUIET, first], Kind.RERUN, mode).disturbed
+
+
+def test_a_share_below_the_usual_only_where_the_usual_is_known():
+    assert not judged(record(4, 1.8, 0.63), QUIET[:1]).disturbed  # one other run: nothing to compare with
+    busy = [record(1, 2.0, 0.62, decision="keep"), record(2, 2.01, 0.66, group=1), record(3, 1.99, 0.64, group=1)]
+    assert not judged(record(4, 1.8, 0.63), busy).disturbed  # the machine is busy all night: that is its usual
+    assert not judged(record(4, 1.8, None), QUIET).disturbed  # not measured (another platform): as before
+    assert not judged(record(4, 1.8, 0.86), QUIET).disturbed  # 87% of the median: within a quiet machine's scatter
+
+
+def test_a_first_run_that_waited_on_a_busy_machine_leaves_the_mean_once_its_twins_show_the_usual():
+    # the first baseline run waited for the CPU (nothing to compare it with when it was judged), its steps alike
+    runs = [record(1, 1.8, 0.6, decision="keep"), record(2, 2.01, 0.98, group=1), record(3, 1.99, 0.99, group=1)]
+    state = replay(runs, "c0")
+    assert state.set_aside == {1} and state.runs(1) == [2.01, 1.99]
+    assert state.baseline_run == 3  # its saved model no longer stands for the baseline
+
+
+def test_the_loop_records_the_share_it_measured_never_one_train_py_printed(fake_repo, plan):
+    import fakes
+
+    from orchestrator.loop import Settings, run_loop
+    from orchestrator.store.ledger import read_record
+    from orchestrator.store.session import Paths
+
+    # a train.py that spins for 1.5 s and then claims it got 1% of the CPU (a bid for the load's credit)
+    spin = "end = time.monotonic() + 1.5\nwhile time.monotonic() < end:\n    pass\n"
+    claims = fakes.ok(0.9).replace("time.sleep(SLEEP)\n", spin) + 'print("cpu_share:        0.01")\n'
+    repo = fake_repo(fakes.ok(1.0))
+    short = fakes.ok(0.95) + 'print("cpu_share:        0.01")\n'  # over before the runner's first reading
+    plan([{"description": "claims a loaded machine", "train": claims}, {"description": "and quickly", "train": short}])
+    settings = Settings(repo=repo, tag="t1", budget=2.0, timeout=30.0, proposer="fakes:Scripted", baseline_repeats=0)
+    run_loop(settings, echo=lambda _line: None)
+    measured = read_record(Paths(repo, "t1").run_dir(2)).metrics[CPU_SHARE]
+    assert measured != 0.01 and 0.1 < measured <= 1.0
+    assert read_record(Paths(repo, "t1").run_dir(3)).metrics.get(CPU_SHARE) != 0.01
+
+
+PINNED = textwrap.dedent(
+    """
+    import os, sys, time
+    os.sched_setaffinity(0, [PINNED_CPU])
+    how = sys.argv[1]
+    for _ in range({"alone": 0, "busy": 1, "idle": 3}[how]):
+        if os.fork() == 0:  # another process of the run, on the same CPU
+            if how == "idle":  # at the lowest priority: it waits whenever the training loop runs
+                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            end = time.monotonic() + 2.5
+            while time.monotonic() < end:
+                pass
+            os._exit(0)
+    end = time.monotonic() + 2.5  # the training loop
+    while time.monotonic() < end:
+        pass
+    """
+)
+
+
+def share_of(tmp_path: Path, how: str) -> float:
+    cpu = min(os.sched_getaffinity(0))
+    script = tmp_path / "pinned.py"
+    script.write_text(PINNED.replace("PINNED_CPU", str(cpu)))
+    result = run_command([sys.executable, str(script), how], tmp_path, dict(os.environ), tmp_path / f"{how}.log", 30)
+    assert result.exit_code == 0, (tmp_path / f"{how}.log").read_text()
+    assert result.cpu_share is not None
+    return result.cpu_share
+
+
+@pytest.mark.skipif(not Path("/proc/self/schedstat").exists(), reason="needs Linux schedstat")
+def test_the_runner_measures_the_share_of_the_cpu_a_run_got(tmp_path: Path):
+    alone, shared, idle = (share_of(tmp_path, how) for how in ("alone", "busy", "idle"))
+    # two busy processes on one CPU: each ran about half of the time it was ready to
+    assert shared < 0.65 and alone > shared + 0.1, (alone, shared)
+    # processes that only wait, at the lowest priority, do not make the training loop look slowed: the share
+    # is that of the thread that ran the most (summed over threads it would read about 0.3)
+    assert idle > shared + 0.1, (idle, shared)
