@@ -5,21 +5,28 @@ and run again, a new configuration's first run too (judge.disturbance, State.set
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
 from orchestrator.core.judge import Finished, decide
 from orchestrator.core.noise import Gate
-from orchestrator.core.state import CPU_SHARE, Kind, replay
+from orchestrator.core.state import CPU_OUTSIDE, CPU_SHARE, Kind, replay
 from orchestrator.executors.runner import run_command
 from orchestrator.store.ledger import Evidence, Record
 
 
-def record(n: int, bpb: float, share: float | None, group: int = 0, decision: str = "repeat", params=1.0) -> Record:
+def record(
+    n: int, bpb: float, share: float | None, group: int = 0, decision: str = "repeat", params=1.0, outside=None
+) -> Record:
+    """A CPU run; a share below 0.8 was a busy machine's (other processes kept 1.9 CPUs busy) unless `outside`."""
     metrics = {"num_steps": 100, "training_seconds": 10.0, "total_tokens_M": 10.0, "num_params_M": params}
+    if share is not None:
+        metrics[CPU_OUTSIDE] = outside if outside is not None else 1.9 if share < 0.8 else 0.05
     return Record(
         n=n,
         status="keep" if decision == "keep" else "discard",
@@ -47,12 +54,13 @@ def test_a_new_configurations_run_on_a_busy_machine_is_run_again_not_judged(mode
     # the CPU: by luck of the timing it scored far better; its steps say nothing (no twins), its share does
     lucky = record(4, 1.80, 0.63, params=2.0)
     gate = judged(lucky, mode=mode)
-    assert str(gate.decision) == "rerun" and "CPU share 63%" in gate.disturbed, gate
+    assert str(gate.decision) == "rerun" and "the CPU 63% of the time" in gate.disturbed, gate
+    assert "kept 1.9 CPUs busy" in gate.disturbed
     # the same run with the CPU to itself is judged (and, so much better, kept or run again as promising)
     assert not judged(record(4, 1.80, 0.97, params=2.0), mode=mode).disturbed
     # a second run of it on the busy machine is its configuration's own: judged (the benefit of the doubt once)
     first = record(4, 1.80, 0.63, params=2.0)
-    first.gate = Evidence("rerun", runs=1, disturbed="disturbed: its CPU share 63%")
+    first.gate = Evidence("rerun", runs=1, disturbed="disturbed: it had the CPU 63% of the time")
     again = record(5, 1.95, 0.64, group=4, params=2.0)
     assert not judged(again, [*QUIET, first], Kind.RERUN, mode).disturbed
 
@@ -63,6 +71,8 @@ def test_a_share_below_the_usual_only_where_the_usual_is_known():
     assert not judged(record(4, 1.8, 0.63), busy).disturbed  # the machine is busy all night: that is its usual
     assert not judged(record(4, 1.8, None), QUIET).disturbed  # not measured (another platform): as before
     assert not judged(record(4, 1.8, 0.86), QUIET).disturbed  # 87% of the median: within a quiet machine's scatter
+    # a train.py that pins its own threads beside each other lowers its share itself: nobody else was busy
+    assert not judged(record(4, 1.8, 0.63, outside=0.05), QUIET).disturbed
 
 
 def test_a_first_run_that_waited_on_a_busy_machine_leaves_the_mean_once_its_twins_show_the_usual():
@@ -96,8 +106,8 @@ def test_the_loop_records_the_share_it_measured_never_one_train_py_printed(fake_
 PINNED = textwrap.dedent(
     """
     import os, sys, time
-    os.sched_setaffinity(0, [PINNED_CPU])
     how = sys.argv[1]
+    os.sched_setaffinity(0, [PINNED_CPU])
     for _ in range({"alone": 0, "busy": 1, "idle": 3}[how]):
         if os.fork() == 0:  # another process of the run, on the same CPU
             if how == "idle":  # at the lowest priority: it waits whenever the training loop runs
@@ -112,22 +122,66 @@ PINNED = textwrap.dedent(
     """
 )
 
+BURN = "import os, time\nos.sched_setaffinity(0, CPUS)\nend = time.monotonic() + 6\nwhile time.monotonic() < end:\n    pass\n"
 
-def share_of(tmp_path: Path, how: str) -> float:
-    cpu = min(os.sched_getaffinity(0))
+
+def measured(tmp_path: Path, how: str) -> tuple[float, float]:
+    cpus = sorted(os.sched_getaffinity(0))
     script = tmp_path / "pinned.py"
-    script.write_text(PINNED.replace("PINNED_CPU", str(cpu)))
-    result = run_command([sys.executable, str(script), how], tmp_path, dict(os.environ), tmp_path / f"{how}.log", 30)
-    assert result.exit_code == 0, (tmp_path / f"{how}.log").read_text()
-    assert result.cpu_share is not None
-    return result.cpu_share
+    script.write_text(PINNED.replace("PINNED_CPU", str(cpus[0])))
+    burners = []
+    if how == "outside":  # another user's jobs: one on the run's CPU, one wherever it may run
+        burners = [
+            subprocess.Popen([sys.executable, "-c", BURN.replace("CPUS", str(c))], start_new_session=True)
+            for c in ([cpus[0]], cpus)
+        ]
+        time.sleep(0.3)
+    try:
+        log = tmp_path / f"{how}.log"
+        result = run_command(
+            [sys.executable, str(script), "alone" if burners else how], tmp_path, {**os.environ}, log, 30
+        )
+    finally:
+        for b in burners:
+            b.kill()
+            b.wait()
+    assert result.exit_code == 0, log.read_text()
+    assert result.cpu_share is not None and result.cpu_outside is not None
+    return result.cpu_share, result.cpu_outside
 
 
 @pytest.mark.skipif(not Path("/proc/self/schedstat").exists(), reason="needs Linux schedstat")
-def test_the_runner_measures_the_share_of_the_cpu_a_run_got(tmp_path: Path):
-    alone, shared, idle = (share_of(tmp_path, how) for how in ("alone", "busy", "idle"))
+def test_the_runner_measures_the_share_of_the_cpu_a_run_got_and_what_others_took(tmp_path: Path):
+    (alone, _), (shared, _), (idle, _) = (measured(tmp_path, how) for how in ("alone", "busy", "idle"))
     # two busy processes on one CPU: each ran about half of the time it was ready to
     assert shared < 0.65 and alone > shared + 0.1, (alone, shared)
     # processes that only wait, at the lowest priority, do not make the training loop look slowed: the share
     # is that of the thread that ran the most (summed over threads it would read about 0.3)
     assert idle > shared + 0.1, (idle, shared)
+    # another user's jobs on the machine: the run waited, and the CPUs they kept busy are counted as outside
+    share, outside = measured(tmp_path, "outside")
+    assert share < 0.7 and outside >= 0.7, (share, outside)
+
+
+def test_the_runs_own_cpu_counts_its_ended_processes_so_it_is_never_taken_for_others():
+    """outside() is the machine's busy time less the run's own: a process of the run that ended (a decoy, a
+    worker) still counts as the run's through its parent's cutime, however loaded the machine is."""
+    from orchestrator.executors.runner import _tree_ticks
+
+    burn = "import time\nwhile time.process_time() < 1.0:\n    pass\n"  # a second of CPU, not of wall time
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import subprocess, sys, time\nsubprocess.run([sys.executable, '-c', {burn!r}])\n"
+            "print('done', flush=True)\ntime.sleep(30)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert parent.stdout.readline().strip() == "done"
+        assert _tree_ticks(parent.pid) >= 0.9 * os.sysconf("SC_CLK_TCK")  # the child's second, in the parent's
+    finally:
+        parent.kill()
+        parent.wait()

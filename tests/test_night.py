@@ -499,7 +499,7 @@ def test_a_run_slowed_by_a_competing_process_is_run_again_not_counted(fake_repo,
     assert steps[2] < 0.7 * max(steps[0], steps[1]), steps  # the competing processes did slow it
     # its wait for the CPU (the runner's measure) or, where that was not caught, its steps per second tell it
     why = records[2].gate.disturbed
-    assert "disturbed: its CPU share" in why or "disturbed: steps per second" in why, records[2].gate
+    assert "disturbed: it had the CPU" in why or "disturbed: steps per second" in why, records[2].gate
     assert "disturbed" in rows(repo, "d")[2].description and "running again" in rows(repo, "d")[2].description
     assert records[3].description.startswith("baseline (repeat") and not records[3].gate.disturbed
     from orchestrator.core.state import load_state

@@ -20,7 +20,7 @@ from ..store.ledger import Evidence, Record, Row
 from ..trust import redaction
 from .bundle import near_miss
 from .noise import Gate, Verdict, judge
-from .state import DISTURBED, LOADED, Decision, Kind, State, Status, cpu_share, group_of, throughput
+from .state import CPU_OUTSIDE, DISTURBED, Decision, Kind, State, Status, cpu_share, group_of, throughput, waited
 
 
 @dataclass
@@ -48,8 +48,12 @@ def disturbance(state: State, run: Finished) -> str:
     same = [x for x in state.records if state.counted(x) and x.device == r.device]
     # the CPU the machine left it, a new configuration's run too: measured by the controller, not the edit's doing
     shares = [s for s in map(cpu_share, same) if s]
-    if (mine := cpu_share(r)) and len(shares) >= 2 and mine < LOADED * (usual := statistics.median(shares)):
-        return f"disturbed: its CPU share {mine:.0%} while ready to run, the session's median {usual:.0%}"
+    if len(shares) >= 2 and waited(r, usual := statistics.median(shares)):
+        busy = r.metrics[CPU_OUTSIDE]
+        return (
+            f"disturbed: it had the CPU {cpu_share(r):.0%} of the time it was ready to run (usual {usual:.0%}) while "
+            f"other processes kept {busy:.1f} CPUs busy"
+        )
     twins, unit, whose = [x for x in same if group_of(x) == group], "steps", "its twins'"
     if not twins and run.kind == Kind.CANDIDATE:
         size = r.metrics.get("num_params_M")

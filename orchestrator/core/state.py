@@ -97,14 +97,23 @@ def counts(record: Record) -> bool:
 
 
 DISTURBED = 0.7  # a run below this share of its twins' median throughput was slowed from outside
-LOADED = 0.85  # a run whose CPU share fell below this share of the median waited on a busy machine
-CPU_SHARE = "cpu_share"  # the record's metric measured by the controller (runner.CpuShare), never by train.py
+LOADED = 0.85  # a run whose CPU share fell below this share of the median waited on a busy machine ...
+BUSY = 0.5  # ... if other processes kept at least this many CPUs busy on average meanwhile
+CPU_SHARE = "cpu_share"  # the record's metrics measured by the controller (runner.CpuShare), never by train.py
+CPU_OUTSIDE = "cpu_outside"
 
 
 def cpu_share(record: Record) -> float | None:
     """How much of the CPU the run's busiest thread got while it was ready to run (runner.CpuShare), if known."""
     share = record.metrics.get(CPU_SHARE)
     return float(share) if isinstance(share, (int, float)) and 0 < share <= 1 else None
+
+
+def waited(record: Record, usual: float) -> bool:
+    """Did the run wait on a machine other processes kept busy: its CPU share below LOADED of `usual` while
+    others kept BUSY CPUs busy (a run can lower its own share, never raise the others' load)?"""
+    share, outside = cpu_share(record), record.metrics.get(CPU_OUTSIDE)
+    return bool(share and isinstance(outside, (int, float)) and outside >= BUSY and share < LOADED * usual)
 
 
 def throughput(record: Record, unit: str) -> float | None:
@@ -243,16 +252,19 @@ class State:
 
     def _set_aside_slowed(self, group: int, device: str) -> None:
         """Of the counted runs of one configuration on one device, those whose steps per second fall below
-        DISTURBED of the median of at least two others', or whose CPU share falls below LOADED of theirs (a first
-        run slowed by another process: nothing to compare it with when it was judged)."""
+        DISTURBED of the median of at least two others', or that `waited` with a CPU share below LOADED of theirs
+        (a first run slowed by another process: nothing to compare it with when it was judged)."""
         runs = [r for r in self.records if group_of(r) == group and r.device == device and counts(r)]
         slowed: set[int] = set()
-        for measure, below in ((lambda r: throughput(r, "steps"), DISTURBED), (cpu_share, LOADED)):
-            values = {r.n: v for r in runs if (v := measure(r))}
-            for n, value in values.items():
-                others = [v for m, v in values.items() if m != n]
-                if len(others) >= 2 and value < below * statistics.median(others):
-                    slowed.add(n)
+        speeds = {r.n: v for r in runs if (v := throughput(r, "steps"))}
+        shares = {r.n: v for r in runs if (v := cpu_share(r))}
+        for r in runs:
+            fast = [v for m, v in speeds.items() if m != r.n]
+            if r.n in speeds and len(fast) >= 2 and speeds[r.n] < DISTURBED * statistics.median(fast):
+                slowed.add(r.n)
+            usual = [v for m, v in shares.items() if m != r.n]
+            if len(usual) >= 2 and waited(r, statistics.median(usual)):
+                slowed.add(r.n)
         self.set_aside -= {r.n for r in runs} - slowed
         self.set_aside |= slowed
 

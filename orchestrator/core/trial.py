@@ -44,7 +44,7 @@ from ..trust.summary import environment_error, last_error_line, parse_summary, r
 from .pipeline import Prepared
 from .plan import Ideas, as_running, refill
 from .progress import Progress, format_eta, last_step, read_curve
-from .state import CPU_SHARE, Cause, Crash, Kind, Phase, State, Status, group_of
+from .state import CPU_OUTSIDE, CPU_SHARE, Cause, Crash, Kind, Phase, State, Status, group_of
 
 if TYPE_CHECKING:
     from .workspace import Workspace
@@ -538,9 +538,10 @@ def measure(
     record.exit_code, record.timed_out = train_step.exit_code, train_step.timed_out
     log_text = read_tail(train_step.log)
     record.metrics = parse_summary(log_text)
-    record.metrics.pop(CPU_SHARE, None)  # the controller's measurement, never a line train.py printed
-    if train_step.cpu_share is not None:
-        record.metrics[CPU_SHARE] = round(train_step.cpu_share, 4)
+    for key, measured in ((CPU_SHARE, train_step.cpu_share), (CPU_OUTSIDE, train_step.cpu_outside)):
+        record.metrics.pop(key, None)  # the controller's measurements, never a line train.py printed
+        if measured is not None:
+            record.metrics[key] = round(measured, 4)
     # The loss at fractions of the planned steps, crashed runs' too (where they diverged). It is what the run
     # printed: information, and at most a reason to stop or discard a run early, never to keep one.
     record.curve = read_curve(train_step.log)

@@ -106,6 +106,7 @@ class StepResult:
     log: Path
     killed: str = ""  # stopped at its memory limit: the crash reason (runner.memory_note), else ''
     cpu_share: float | None = None  # how much of the CPU it got while ready to run (runner.CpuShare), if known
+    cpu_outside: float | None = None  # CPUs other processes kept busy meanwhile (runner.CpuShare), if known
 
 
 @dataclass
@@ -352,7 +353,15 @@ def run_steps(
                 stop = cancel if curve is None else _Either(curve.fired, cancel)
                 run = step(i, cancel=stop, on_output=_all(watches))
             result.steps.append(
-                StepResult(run.exit_code, run.timed_out, run.wall_s, out / job.logs[i], run.killed, run.cpu_share)
+                StepResult(
+                    run.exit_code,
+                    run.timed_out,
+                    run.wall_s,
+                    out / job.logs[i],
+                    run.killed,
+                    run.cpu_share,
+                    run.cpu_outside,
+                )
             )
             if keep is not None:  # (its processes are gone; one started early writes its own outputs only)
                 keep_only(out, keep, _scratch_names(scratch, out))

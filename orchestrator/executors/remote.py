@@ -189,7 +189,9 @@ def run_spec(spec: dict, src: Path, out: Path, cancel: threading.Event | None = 
     )
     result = run_steps(job, src, out, {}, cancel)
     return {
-        "steps": [(s.exit_code, s.timed_out, s.wall_s, s.log.name, s.killed, s.cpu_share) for s in result.steps],
+        "steps": [
+            (s.exit_code, s.timed_out, s.wall_s, s.log.name, s.killed, s.cpu_share, s.cpu_outside) for s in result.steps
+        ],
         "modified": result.modified,
         "ages": result.ages,
         "device": result.device,

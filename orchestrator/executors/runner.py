@@ -183,25 +183,35 @@ class RunResult:
     interrupted: bool = False
     killed: str = ""  # why it ended at a limit of ours other than the timeout ("memory limit: ..."), else ''
     cpu_share: float | None = None  # CpuShare.share(): how much of the CPU its busiest thread got; None: unknown
+    cpu_outside: float | None = None  # CpuShare.outside(): CPUs other processes kept busy meanwhile; None: unknown
 
 
 class CpuShare:
-    """How much of the CPU the command got while it was ready to run, from the kernel's accounting of each
-    thread's time on a CPU and its time waiting for one (Linux `/proc/PID/task/TID/schedstat`), read every
-    SHARE_TICK_S. On a machine other processes keep busy a run waits for the CPU and, under a wall-clock budget,
-    reaches fewer steps; the wait is the machine's doing, not the run's: an edit that makes training slower
-    spends as long ready to run, so its share stays (judge.disturbance sets aside a run that waited).
+    """What the machine left the command: how much of the CPU it got while it was ready to run, and how busy
+    other processes kept the CPUs meanwhile, from the kernel's accounting (Linux `/proc`), read every SHARE_TICK_S.
+    On a machine other processes keep busy a run waits for the CPU and, under a wall-clock budget, reaches fewer
+    steps; an edit that makes training slower spends as long ready to run, so its share stays
+    (judge.disturbance sets aside a run that waited while others were busy).
 
-    The share is that of the thread that spent the most time on a CPU (the training loop's): threads that only
-    wait (at the lowest priority, or pinned beside each other) drag no average down, and a thread that ran at
-    least as long as the training loop, in a run no longer than the wall clock, waited at most what is left of
-    it. None where the kernel keeps no such account (not Linux) or the run ended before the first reading."""
+    - share(): of the thread that spent the most time on a CPU (the training loop's), on-CPU / (on-CPU + waiting)
+      (`/proc/PID/task/TID/schedstat`). A run can lower it itself (threads pinned beside each other), so it is
+      only ever read with the next figure, which a run cannot raise.
+    - outside(): CPUs kept busy on average by everything but the run's processes and this one (`/proc/stat`,
+      less the run's processes' own times, ended ones included through their parents' `cutime`): another
+      user's job, the next idea being prepared, another slot's run.
+
+    Each None where the kernel keeps no such account (not Linux) or the run ended before the second reading."""
 
     def __init__(self) -> None:
         self.threads: dict[int, tuple[int, int]] = {}  # thread id -> (ns on a CPU, ns ready but waiting), last read
+        self.first: tuple[float, int] | None = None  # (monotonic s, CPU ticks spent outside the run), first read
+        self.last: tuple[float, int] | None = None
 
     def sample(self, pid: int) -> None:
-        for proc in [pid, *(p.pid for p in _descendants(pid))]:
+        tree = [pid, *(p.pid for p in _descendants(pid))]
+        ticks = 0
+        for proc in tree:
+            ticks += _tree_ticks(proc)
             try:
                 tids = os.listdir(f"/proc/{proc}/task")
             except OSError:
@@ -213,12 +223,38 @@ class CpuShare:
                 except (OSError, ValueError):
                     continue
                 self.threads[int(tid)] = (on, wait)
+        try:
+            with open("/proc/stat", "rb") as f:
+                fields = [int(v) for v in f.readline().split()[1:9]]
+        except (OSError, ValueError):
+            return
+        busy = sum(fields) - fields[3] - fields[4]  # all but idle and iowait
+        mine = os.times()
+        own = round((mine.user + mine.system) * os.sysconf("SC_CLK_TCK"))
+        self.last = (time.monotonic(), busy - ticks - own)
+        self.first = self.first or self.last
 
     def share(self) -> float | None:
         if not self.threads:
             return None
         on, wait = max(self.threads.values())
         return on / (on + wait) if on > 0 else None
+
+    def outside(self) -> float | None:
+        if self.first is None or self.last is None or self.last[0] - self.first[0] < SHARE_TICK_S / 2:
+            return None
+        ticks = max(0, self.last[1] - self.first[1])
+        return ticks / os.sysconf("SC_CLK_TCK") / (self.last[0] - self.first[0])
+
+
+def _tree_ticks(pid: int) -> int:
+    """CPU ticks of a process and of the children it has waited for (utime, stime, cutime, cstime)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return sum(int(v) for v in fields[11:15])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def tree_memory(pid: int, limit: int | None = None) -> int:
@@ -572,6 +608,7 @@ def run_command(
         interrupted=interrupted,
         killed=killed,
         cpu_share=share.share(),
+        cpu_outside=share.outside(),
     )
 
 
