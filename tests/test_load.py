@@ -125,16 +125,24 @@ PINNED = textwrap.dedent(
 BURN = "import os, time\nos.sched_setaffinity(0, CPUS)\nend = time.monotonic() + 6\nwhile time.monotonic() < end:\n    pass\n"
 
 
+def orphan(code: str) -> int:
+    """A Python process that is not ours: in a session of its own, its parent gone at once; its pid."""
+    started = subprocess.run(
+        ["sh", "-c", 'setsid "$1" -c "$2" >/dev/null 2>&1 & echo $!', "sh", sys.executable, code],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return int(started.stdout)
+
+
 def measured(tmp_path: Path, how: str) -> tuple[float, float]:
     cpus = sorted(os.sched_getaffinity(0))
     script = tmp_path / "pinned.py"
     script.write_text(PINNED.replace("PINNED_CPU", str(cpus[0])))
     burners = []
-    if how == "outside":  # another user's jobs: one on the run's CPU, one wherever it may run
-        burners = [
-            subprocess.Popen([sys.executable, "-c", BURN.replace("CPUS", str(c))], start_new_session=True)
-            for c in ([cpus[0]], cpus)
-        ]
+    if how == "outside":  # another user's jobs (not ours: orphaned at once): one on the run's CPU, one anywhere
+        burners = [orphan(BURN.replace("CPUS", str(c))) for c in ([cpus[0]], cpus)]
         time.sleep(0.3)
     try:
         log = tmp_path / f"{how}.log"
@@ -142,9 +150,8 @@ def measured(tmp_path: Path, how: str) -> tuple[float, float]:
             [sys.executable, str(script), "alone" if burners else how], tmp_path, {**os.environ}, log, 30
         )
     finally:
-        for b in burners:
-            b.kill()
-            b.wait()
+        for pid in burners:
+            os.kill(pid, 9)
     assert result.exit_code == 0, log.read_text()
     assert result.cpu_share is not None and result.cpu_outside is not None
     return result.cpu_share, result.cpu_outside
@@ -163,25 +170,28 @@ def test_the_runner_measures_the_share_of_the_cpu_a_run_got_and_what_others_took
     assert share < 0.7 and outside >= 0.7, (share, outside)
 
 
-def test_the_runs_own_cpu_counts_its_ended_processes_so_it_is_never_taken_for_others():
-    """outside() is the machine's busy time less the run's own: a process of the run that ended (a decoy, a
-    worker) still counts as the run's through its parent's cutime, however loaded the machine is."""
-    from orchestrator.executors.runner import _tree_ticks
+def test_the_others_are_every_process_but_ours_and_the_kernels():
+    """outside() counts the CPU time of the processes that are neither the controller nor its descendants: what
+    a run starts, however it detaches or ends (a child the kernel reaps unwaited, its SIGCHLD ignored), is never
+    the others'; another user's job, orphaned in a session of its own, is."""
+    from orchestrator.executors.runner import others_now
 
-    burn = "import time\nwhile time.process_time() < 1.0:\n    pass\n"  # a second of CPU, not of wall time
-    parent = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            f"import subprocess, sys, time\nsubprocess.run([sys.executable, '-c', {burn!r}])\n"
-            "print('done', flush=True)\ntime.sleep(30)",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
+    code = (
+        "import os, signal, subprocess, sys, time\n"
+        "signal.signal(signal.SIGCHLD, signal.SIG_IGN)\n"  # its children are reaped by the kernel, unwaited
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'], start_new_session=True)\n"
+        "print(child.pid, flush=True)\ntime.sleep(30)\n"
     )
+    run = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    theirs = orphan("import time; time.sleep(30)")
     try:
-        assert parent.stdout.readline().strip() == "done"
-        assert _tree_ticks(parent.pid) >= 0.9 * os.sysconf("SC_CLK_TCK")  # the child's second, in the parent's
+        ours = int(run.stdout.readline())
+        deadline = time.monotonic() + 10
+        while theirs not in (others := others_now(os.getpid())) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert theirs in others and run.pid not in others and ours not in others
+        assert os.getpid() not in others and 2 not in others  # the controller, and kthreadd (a kernel thread)
     finally:
-        parent.kill()
-        parent.wait()
+        os.kill(theirs, 9)
+        run.kill()
+        run.wait()

@@ -52,7 +52,7 @@ def disturbance(state: State, run: Finished) -> str:
         busy = r.metrics[CPU_OUTSIDE]
         return (
             f"disturbed: it had the CPU {cpu_share(r):.0%} of the time it was ready to run (usual {usual:.0%}) while "
-            f"other processes kept {busy:.1f} CPUs busy"
+            f"other users' processes kept {busy:.1f} CPUs busy"
         )
     twins, unit, whose = [x for x in same if group_of(x) == group], "steps", "its twins'"
     if not twins and run.kind == Kind.CANDIDATE:

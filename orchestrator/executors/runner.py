@@ -188,30 +188,30 @@ class RunResult:
 
 class CpuShare:
     """What the machine left the command: how much of the CPU it got while it was ready to run, and how busy
-    other processes kept the CPUs meanwhile, from the kernel's accounting (Linux `/proc`), read every SHARE_TICK_S.
-    On a machine other processes keep busy a run waits for the CPU and, under a wall-clock budget, reaches fewer
-    steps; an edit that makes training slower spends as long ready to run, so its share stays
+    other users' processes kept the CPUs meanwhile, from the kernel's accounts (Linux `/proc`), read every
+    SHARE_TICK_S. On a machine other processes keep busy a run waits for the CPU and, under a wall-clock budget,
+    reaches fewer steps; an edit that makes training slower spends as long ready to run, so its share stays
     (judge.disturbance sets aside a run that waited while others were busy).
 
     - share(): of the thread that spent the most time on a CPU (the training loop's), on-CPU / (on-CPU + waiting)
       (`/proc/PID/task/TID/schedstat`). A run can lower it itself (threads pinned beside each other), so it is
       only ever read with the next figure, which a run cannot raise.
-    - outside(): CPUs kept busy on average by everything but the run's processes and this one (`/proc/stat`,
-      less the run's processes' own times, ended ones included through their parents' `cutime`): another
-      user's job, the next idea being prepared, another slot's run.
+    - outside(): CPUs kept busy on average by the processes of the machine that are neither this process nor
+      its descendants (the run, other slots' runs, the proposer's tools) nor kernel threads, each one's own CPU
+      time (`/proc/PID/stat`) between readings. What the run starts stays its descendant (the reaper is a child
+      subreaper), however it ends, and a process's own CPU time is the scheduler's exact count.
 
     Each None where the kernel keeps no such account (not Linux) or the run ended before the second reading."""
 
     def __init__(self) -> None:
         self.threads: dict[int, tuple[int, int]] = {}  # thread id -> (ns on a CPU, ns ready but waiting), last read
-        self.first: tuple[float, int] | None = None  # (monotonic s, CPU ticks spent outside the run), first read
-        self.last: tuple[float, int] | None = None
+        self.others: dict[int, tuple[int, int]] = {}  # pid -> (start time, CPU ticks) of the others, last read
+        self.since: float | None = None  # seconds since boot at the first reading
+        self.busy = 0  # CPU ticks the others spent since then
+        self.span = 0.0  # seconds from the first reading to the last
 
     def sample(self, pid: int) -> None:
-        tree = [pid, *(p.pid for p in _descendants(pid))]
-        ticks = 0
-        for proc in tree:
-            ticks += _tree_ticks(proc)
+        for proc in [pid, *(p.pid for p in _descendants(pid))]:
             try:
                 tids = os.listdir(f"/proc/{proc}/task")
             except OSError:
@@ -224,15 +224,22 @@ class CpuShare:
                     continue
                 self.threads[int(tid)] = (on, wait)
         try:
-            with open("/proc/stat", "rb") as f:
-                fields = [int(v) for v in f.readline().split()[1:9]]
-        except (OSError, ValueError):
+            with open("/proc/uptime", "rb") as f:
+                now = float(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
             return
-        busy = sum(fields) - fields[3] - fields[4]  # all but idle and iowait
-        mine = os.times()
-        own = round((mine.user + mine.system) * os.sysconf("SC_CLK_TCK"))
-        self.last = (time.monotonic(), busy - ticks - own)
-        self.first = self.first or self.last
+        tick = os.sysconf("SC_CLK_TCK")
+        first = self.since is None
+        self.since = now if self.since is None else self.since
+        seen = others_now(os.getpid())
+        for other, (started, ticks) in seen.items():
+            before = self.others.get(other)
+            if before is not None and before[0] == started:
+                self.busy += ticks - before[1]
+            elif not first and started >= self.since * tick:  # started since the first reading: all of it
+                self.busy += ticks
+        self.others = seen
+        self.span = now - self.since
 
     def share(self) -> float | None:
         if not self.threads:
@@ -241,20 +248,31 @@ class CpuShare:
         return on / (on + wait) if on > 0 else None
 
     def outside(self) -> float | None:
-        if self.first is None or self.last is None or self.last[0] - self.first[0] < SHARE_TICK_S / 2:
+        if self.span < SHARE_TICK_S / 2:
             return None
-        ticks = max(0, self.last[1] - self.first[1])
-        return ticks / os.sysconf("SC_CLK_TCK") / (self.last[0] - self.first[0])
+        return self.busy / os.sysconf("SC_CLK_TCK") / self.span
 
 
-def _tree_ticks(pid: int) -> int:
-    """CPU ticks of a process and of the children it has waited for (utime, stime, cutime, cstime)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return sum(int(v) for v in fields[11:15])
-    except (OSError, ValueError, IndexError):
-        return 0
+PF_KTHREAD = 0x00200000  # /proc/PID/stat flags: a kernel thread
+
+
+def others_now(controller: int) -> dict[int, tuple[int, int]]:
+    """pid -> (start time, CPU ticks of its own threads) of every process that is neither `controller` nor its
+    descendant nor a kernel thread."""
+    mine = {controller, *(p.pid for p in _descendants(controller))}
+    found: dict[int, tuple[int, int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) in mine:
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            if int(fields[6]) & PF_KTHREAD:
+                continue
+            found[int(name)] = (int(fields[19]), int(fields[11]) + int(fields[12]))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
 
 
 def tree_memory(pid: int, limit: int | None = None) -> int:
