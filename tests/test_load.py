@@ -21,7 +21,14 @@ from orchestrator.store.ledger import Evidence, Record
 
 
 def record(
-    n: int, bpb: float, share: float | None, group: int = 0, decision: str = "repeat", params=1.0, outside=None
+    n: int,
+    bpb: float,
+    share: float | None,
+    group: int = 0,
+    decision: str = "repeat",
+    params=1.0,
+    outside=None,
+    train: float = 40.0,
 ) -> Record:
     """A CPU run; a share below 0.8 was a busy machine's (other processes kept 1.9 CPUs busy) unless `outside`."""
     metrics = {"num_steps": 100, "training_seconds": 10.0, "total_tokens_M": 10.0, "num_params_M": params}
@@ -37,6 +44,7 @@ def record(
         device="cpu",
         group=group,
         metrics=metrics if share is None else {**metrics, CPU_SHARE: share},
+        timings={"train": train},
     )
 
 
@@ -73,6 +81,8 @@ def test_a_share_below_the_usual_only_where_the_usual_is_known():
     assert not judged(record(4, 1.8, 0.86), QUIET).disturbed  # 87% of the median: within a quiet machine's scatter
     # a train.py that pins its own threads beside each other lowers its share itself: nobody else was busy
     assert not judged(record(4, 1.8, 0.63, outside=0.05), QUIET).disturbed
+    # a training step of a few seconds: its share is mostly its start-up's, and says little of the machine
+    assert not judged(record(4, 1.8, 0.63, train=5.0), QUIET).disturbed
 
 
 def test_a_first_run_that_waited_on_a_busy_machine_leaves_the_mean_once_its_twins_show_the_usual():

@@ -99,6 +99,7 @@ def counts(record: Record) -> bool:
 DISTURBED = 0.7  # a run below this share of its twins' median throughput was slowed from outside
 LOADED = 0.85  # a run whose CPU share fell below this share of the median waited on a busy machine ...
 BUSY = 0.5  # ... if other processes kept at least this many CPUs busy on average meanwhile
+WAIT_MIN_S = 10.0  # ... in a training step this long at least (a shorter one's share is mostly its start-up's)
 CPU_SHARE = "cpu_share"  # the record's metrics measured by the controller (runner.CpuShare), never by train.py
 CPU_OUTSIDE = "cpu_outside"
 
@@ -111,8 +112,11 @@ def cpu_share(record: Record) -> float | None:
 
 def waited(record: Record, usual: float) -> bool:
     """Did the run wait on a machine other processes kept busy: its CPU share below LOADED of `usual` while
-    others kept BUSY CPUs busy (a run can lower its own share, never raise the others' load)?"""
-    share, outside = cpu_share(record), record.metrics.get(CPU_OUTSIDE)
+    others kept BUSY CPUs busy (a run can lower its own share, never raise the others' load), over a training
+    step of WAIT_MIN_S at least?"""
+    share, outside, train = cpu_share(record), record.metrics.get(CPU_OUTSIDE), record.timings.get("train")
+    if not isinstance(train, (int, float)) or train < WAIT_MIN_S:
+        return False
     return bool(share and isinstance(outside, (int, float)) and outside >= BUSY and share < LOADED * usual)
 
 
