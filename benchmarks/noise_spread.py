@@ -178,16 +178,18 @@ def main() -> int:
         before, after = pair_sd(raw), pair_sd(adjusted)
         how = f"the other's slope {other[0]:+.4f} (se {other[1]:.4f})" if other else "no slope from the other"
         print(f"{name:10s} {before:.4f} -> {after:.4f} ({after / before:.0%}); {mine}{how}")
-    from orchestrator.core.state import BUSY, LOADED
+    from orchestrator.core.state import CPU_OUTSIDE, CPU_SHARE, waited
+    from orchestrator.store.ledger import Record
+
+    def as_record(r: dict) -> Record:  # what the gates read of a run
+        measured = {CPU_SHARE: r["cpu_share"], CPU_OUTSIDE: r.get("cpu_outside")}
+        return Record(n=0, status="discard", description="", commit="", metrics=measured, timings={"train": r["wall"]})
 
     usual = statistics.median(x for own in points.values() for x, _ in own)
-    print(
-        f"\nthe same, of the runs the gates count (not: a CPU share below {LOADED:.0%} of the median {usual:.3f} while "
-        f"others kept {BUSY} CPUs or more busy)"
-    )
+    print(f"\nthe same, of runs the gates count (not those that waited on a busy machine; usual share {usual:.2f})")
     for name, rs in runs.items():
         done = [r for r in rs if "val_bpb" in r and r.get("cpu_share")]
-        counted = [r["val_bpb"] for r in done if r["cpu_share"] >= LOADED * usual or (r.get("cpu_outside") or 0) < BUSY]
+        counted = [r["val_bpb"] for r in done if not waited(as_record(r), usual)]
         before, after = pair_sd([r["val_bpb"] for r in done]), pair_sd(counted)
         print(f"{name:10s} {before:.4f} -> {after:.4f} ({len(counted)} of {len(done)} runs)")
     if args.out:

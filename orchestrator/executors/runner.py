@@ -258,21 +258,30 @@ PF_KTHREAD = 0x00200000  # /proc/PID/stat flags: a kernel thread
 
 def others_now(controller: int) -> dict[int, tuple[int, int]]:
     """pid -> (start time, CPU ticks of its own threads) of every process that is neither `controller` nor its
-    descendant nor a kernel thread."""
-    mine = {controller, *(p.pid for p in _descendants(controller))}
-    found: dict[int, tuple[int, int]] = {}
+    descendant nor a kernel thread (one pass over /proc: each process's parent, flags, start and CPU time)."""
+    seen: dict[int, tuple[int, int, int, int]] = {}  # pid -> (parent, flags, start time, CPU ticks)
     for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) in mine:
+        if not name.isdigit():
             continue
         try:
             with open(f"/proc/{name}/stat", "rb") as f:
                 fields = f.read().rsplit(b")", 1)[1].split()
-            if int(fields[6]) & PF_KTHREAD:
-                continue
-            found[int(name)] = (int(fields[19]), int(fields[11]) + int(fields[12]))
+            seen[int(name)] = (int(fields[1]), int(fields[6]), int(fields[19]), int(fields[11]) + int(fields[12]))
         except (OSError, ValueError, IndexError):
             continue
-    return found
+    children: dict[int, list[int]] = {}
+    for pid, (parent, *_) in seen.items():
+        children.setdefault(parent, []).append(pid)
+    mine, todo = set(), [controller]
+    while todo:
+        pid = todo.pop()
+        mine.add(pid)
+        todo.extend(children.get(pid, ()))
+    return {
+        pid: (start, ticks)
+        for pid, (_, flags, start, ticks) in seen.items()
+        if pid not in mine and not flags & PF_KTHREAD
+    }
 
 
 def tree_memory(pid: int, limit: int | None = None) -> int:
