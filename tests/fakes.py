@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -21,6 +23,18 @@ print("num_steps:        3")
 print("num_params_M:     0.1")
 print("depth:            2")
 """
+
+
+def orphan(code: str, *args: str) -> int:
+    """A Python process that is not ours (another user's job): in a session of its own, its parent gone at once,
+    so that it is no descendant of the controller (runner.others_now counts it as others' load); its pid."""
+    started = subprocess.run(
+        ["sh", "-c", 'setsid "$@" >/dev/null 2>&1 & echo $!', "sh", sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return int(started.stdout)
 
 
 def ok(bpb: float = 1.0, sleep: float = 0.0) -> str:

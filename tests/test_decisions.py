@@ -25,7 +25,11 @@ BASELINE = Record(
 )
 
 
-def run(n: int, bpb: float | None, kind: Kind = Kind.CANDIDATE, steps: int = 100, group: int = 0) -> Finished:
+def run(
+    n: int, bpb: float | None, kind: Kind = Kind.CANDIDATE, steps: int = 100, group: int = 0, outside: float = 1.0
+) -> Finished:
+    """A run of a session on a machine other users kept busy (`outside` CPUs: a slow run's printed steps are
+    believed only then, state.busy_outside)."""
     record = Record(
         n=n,
         status="",
@@ -34,7 +38,13 @@ def run(n: int, bpb: float | None, kind: Kind = Kind.CANDIDATE, steps: int = 100
         val_bpb=bpb,
         device="cpu",
         group=group,
-        metrics={"num_steps": steps, "total_tokens_M": float(steps), "training_seconds": 10.0, "num_params_M": 1.0},
+        metrics={
+            "num_steps": steps,
+            "total_tokens_M": float(steps),
+            "training_seconds": 10.0,
+            "num_params_M": 1.0,
+            "cpu_outside": outside,
+        },
     )
     return Finished(record, kind, crashed=bpb is None)
 
@@ -66,6 +76,13 @@ TABLE = [
         [run(2, 0.5, steps=20), run(3, 1.1)],
         "noise",
         [("discard", "rerun", "disturbed"), ("discard", "discard", "")],
+    ),
+    (
+        "a candidate that prints few steps on a quiet machine is judged on its value",
+        [BASELINE],
+        [run(2, 1.1, steps=20, outside=0.1)],
+        "noise",
+        [("discard", "discard", "")],
     ),
 ]
 
@@ -115,7 +132,7 @@ def test_refill(free, busy, age, room, wanted):
     assert refill(replay([], "c0"), free, busy, age, BUDGET, room) is None  # no best yet: nothing to repeat
 
 
-def record(n: int, bpb: float, steps: int, group: int = 1, status: str = "discard") -> Record:
+def record(n: int, bpb: float, steps: int, group: int = 1, status: str = "discard", outside: float = 1.0) -> Record:
     return Record(
         n=n,
         status=status,
@@ -125,7 +142,7 @@ def record(n: int, bpb: float, steps: int, group: int = 1, status: str = "discar
         device="cpu",
         group=group,
         gate=Evidence("keep" if n == group else "repeat", runs=1),
-        metrics={"num_steps": steps, "training_seconds": 30.0},
+        metrics={"num_steps": steps, "training_seconds": 30.0, "cpu_outside": outside},
     )
 
 
@@ -149,6 +166,17 @@ def test_a_slowed_run_leaves_the_mean_once_its_configuration_shows_its_speed(run
     assert state.runs(1) == [bpb for i, (bpb, _) in enumerate(runs) if i + 1 not in aside]
     assert state.best_group == 1 and state.baseline_group == 1  # the baseline stays the baseline
     assert state.baseline_run == state.best_run == stands
+
+
+def test_few_steps_printed_on_a_quiet_machine_set_no_run_aside():
+    """The steps are train.py's word: on a machine nobody else kept busy, a run that printed few is counted."""
+    runs = [(2.17, 213), (2.77, 100), (2.18, 209)]
+    records = [
+        record(i + 1, bpb, steps, status="keep" if i == 0 else "discard", outside=0.2)
+        for i, (bpb, steps) in enumerate(runs)
+    ]
+    state = replay(records, "c0")
+    assert not state.set_aside and state.runs(1) == [2.17, 2.77, 2.18]
 
 
 def test_a_keep_that_its_fresh_runs_contradict_is_reported():

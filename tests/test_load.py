@@ -4,6 +4,7 @@ and run again, a new configuration's first run too (judge.disturbance, State.set
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import fakes
 import pytest
 
 from orchestrator.core.judge import Finished, decide
@@ -93,9 +95,37 @@ def test_a_first_run_that_waited_on_a_busy_machine_leaves_the_mean_once_its_twin
     assert state.baseline_run == 3  # its saved model no longer stands for the baseline
 
 
-def test_the_loop_records_the_share_it_measured_never_one_train_py_printed(fake_repo, plan):
-    import fakes
+def slow(run: Record, steps: float = 20, tokens: float = 20.0) -> Record:
+    """The run as its train.py printed it: far fewer steps and tokens in its training seconds than its twins."""
+    run.metrics.update(num_steps=steps, total_tokens_M=tokens)
+    return run
 
+
+def test_a_low_step_count_train_py_prints_is_believed_only_beside_others_load():
+    # a candidate whose train.py prints few steps on the runs it finds unlucky (its training loss is high), so that
+    # they leave its mean: on a machine nobody else kept busy, what it printed sets nothing aside
+    mine = [record(4, 1.80, 0.99, decision="rerun"), record(5, 1.81, 0.98, group=4, decision="rerun")]
+    unlucky = slow(record(6, 2.10, 0.99, group=4, decision="rerun"))
+    state = replay([*QUIET, *mine, unlucky], "c0")
+    assert not state.set_aside and 2.10 in state.runs(4)
+    assert not judged(slow(record(6, 2.10, 0.99, group=4)), [*QUIET, *mine], Kind.RERUN).disturbed
+    # a new configuration's first run, its tokens per second against the best's at the same model size, alike
+    fast = copy.deepcopy(QUIET)
+    for run in fast:
+        run.metrics["total_tokens_M"] = 100.0
+    assert not judged(slow(record(4, 2.10, 0.99)), fast).disturbed
+    # where other users did keep the machine busy (memory or caches shared, its own thread never kept waiting),
+    # a run that far slower than its twins was slowed from outside: set aside, or run again
+    busy = slow(record(6, 2.10, 0.99, group=4, decision="rerun", outside=1.4))
+    assert replay([*QUIET, *mine, busy], "c0").set_aside == {6}
+    gate = judged(slow(record(6, 2.10, 0.99, group=4, outside=1.4)), [*QUIET, *mine], Kind.RERUN)
+    assert gate.disturbed.startswith("disturbed: steps per second 20% of its twins' median") and "1.4 CPUs" in (
+        gate.disturbed
+    )
+    assert judged(slow(record(4, 2.10, 0.99, outside=1.4)), fast).disturbed.startswith("disturbed: tokens per second")
+
+
+def test_the_loop_records_the_share_it_measured_never_one_train_py_printed(fake_repo, plan):
     from orchestrator.loop import Settings, run_loop
     from orchestrator.store.ledger import read_record
     from orchestrator.store.session import Paths
@@ -135,24 +165,13 @@ PINNED = textwrap.dedent(
 BURN = "import os, time\nos.sched_setaffinity(0, CPUS)\nend = time.monotonic() + 6\nwhile time.monotonic() < end:\n    pass\n"
 
 
-def orphan(code: str) -> int:
-    """A Python process that is not ours: in a session of its own, its parent gone at once; its pid."""
-    started = subprocess.run(
-        ["sh", "-c", 'setsid "$1" -c "$2" >/dev/null 2>&1 & echo $!', "sh", sys.executable, code],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return int(started.stdout)
-
-
 def measured(tmp_path: Path, how: str) -> tuple[float, float]:
     cpus = sorted(os.sched_getaffinity(0))
     script = tmp_path / "pinned.py"
     script.write_text(PINNED.replace("PINNED_CPU", str(cpus[0])))
     burners = []
     if how == "outside":  # another user's jobs (not ours: orphaned at once): one on the run's CPU, one anywhere
-        burners = [orphan(BURN.replace("CPUS", str(c))) for c in ([cpus[0]], cpus)]
+        burners = [fakes.orphan(BURN.replace("CPUS", str(c))) for c in ([cpus[0]], cpus)]
         time.sleep(0.3)
     try:
         log = tmp_path / f"{how}.log"
@@ -193,7 +212,7 @@ def test_the_others_are_every_process_but_ours_and_the_kernels():
         "print(child.pid, flush=True)\ntime.sleep(30)\n"
     )
     run = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    theirs = orphan("import time; time.sleep(30)")
+    theirs = fakes.orphan("import time; time.sleep(30)")
     try:
         ours = int(run.stdout.readline())
         deadline = time.monotonic() + 10

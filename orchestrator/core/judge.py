@@ -20,7 +20,19 @@ from ..store.ledger import Evidence, Record, Row
 from ..trust import redaction
 from .bundle import near_miss
 from .noise import Gate, Verdict, judge
-from .state import CPU_OUTSIDE, DISTURBED, Decision, Kind, State, Status, cpu_share, group_of, throughput, waited
+from .state import (
+    CPU_OUTSIDE,
+    DISTURBED,
+    Decision,
+    Kind,
+    State,
+    Status,
+    busy_outside,
+    cpu_share,
+    group_of,
+    throughput,
+    waited,
+)
 
 
 @dataclass
@@ -39,8 +51,10 @@ def disturbance(state: State, run: Finished) -> str:
     """Why this run looks slowed from outside (another process on the CPU, a shared or throttled GPU), or '':
     its share of the CPU while it was ready to run far below the median of the session's counted runs on its
     device, its throughput far below the median of its twins (counted runs of its configuration on its device),
-    or, for a new configuration, of the best's runs when the model has the same size. A configuration is given the
-    benefit of the doubt once: a second slow run is its own speed."""
+    or, for a new configuration, of the best's runs when the model has the same size. Either only while other
+    users' processes kept the machine busy (`busy_outside`, the runner's measure): a run can lower its own share
+    or print a low step count, never raise the others' load. A configuration is given the benefit of the doubt
+    once: a second slow run is its own speed."""
     r = run.record
     group = group_of(r)
     if any(x.gate.disturbed and not x.info.get("overran") for x in state.records if group_of(x) == group):
@@ -61,9 +75,13 @@ def disturbance(state: State, run: Finished) -> str:
         unit, whose = "tokens", "the best's (same model size)"
     mine = throughput(r, unit)
     speeds = [s for s in (throughput(x, unit) for x in twins) if s]
-    if mine is None or not speeds or mine >= DISTURBED * statistics.median(speeds):
-        return ""
-    return f"disturbed: {unit} per second {mine / statistics.median(speeds):.0%} of {whose} median"
+    if mine is None or not speeds or mine >= DISTURBED * statistics.median(speeds) or not busy_outside(r):
+        return ""  # (its steps and tokens are what train.py printed: believed only beside others' load)
+    busy = r.metrics[CPU_OUTSIDE]
+    return (
+        f"disturbed: {unit} per second {mine / statistics.median(speeds):.0%} of {whose} median while other users' "
+        f"processes kept {busy:.1f} CPUs busy"
+    )
 
 
 @dataclass(frozen=True)

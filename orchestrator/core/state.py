@@ -110,14 +110,22 @@ def cpu_share(record: Record) -> float | None:
     return float(share) if isinstance(share, (int, float)) and 0 < share <= 1 else None
 
 
+def busy_outside(record: Record) -> bool:
+    """Did other users' processes keep at least BUSY CPUs busy while the run trained (the runner's measure,
+    `cpu_outside`)? Only then is a run believed slowed from outside: a train.py can lower its own share of the
+    CPU, or print a low step count on the runs it wants left out, but never raise the others' load."""
+    outside = record.metrics.get(CPU_OUTSIDE)
+    return isinstance(outside, (int, float)) and outside >= BUSY
+
+
 def waited(record: Record, usual: float) -> bool:
     """Did the run wait on a machine other processes kept busy: its CPU share below LOADED of `usual` while
     others kept BUSY CPUs busy (a run can lower its own share, never raise the others' load), over a training
     step of WAIT_MIN_S at least?"""
-    share, outside, train = cpu_share(record), record.metrics.get(CPU_OUTSIDE), record.timings.get("train")
+    share, train = cpu_share(record), record.timings.get("train")
     if not isinstance(train, (int, float)) or train < WAIT_MIN_S:
         return False
-    return bool(share and isinstance(outside, (int, float)) and outside >= BUSY and share < LOADED * usual)
+    return bool(share and busy_outside(record) and share < LOADED * usual)
 
 
 def throughput(record: Record, unit: str) -> float | None:
@@ -256,15 +264,21 @@ class State:
 
     def _set_aside_slowed(self, group: int, device: str) -> None:
         """Of the counted runs of one configuration on one device, those whose steps per second fall below
-        DISTURBED of the median of at least two others', or that `waited` with a CPU share below LOADED of theirs
-        (a first run slowed by another process: nothing to compare it with when it was judged)."""
+        DISTURBED of the median of at least two others' while other users kept the machine busy (`busy_outside`:
+        the steps are train.py's word), or that `waited` with a CPU share below LOADED of theirs (a first run
+        slowed by another process: nothing to compare it with when it was judged)."""
         runs = [r for r in self.records if group_of(r) == group and r.device == device and counts(r)]
         slowed: set[int] = set()
         speeds = {r.n: v for r in runs if (v := throughput(r, "steps"))}
         shares = {r.n: v for r in runs if (v := cpu_share(r))}
         for r in runs:
             fast = [v for m, v in speeds.items() if m != r.n]
-            if r.n in speeds and len(fast) >= 2 and speeds[r.n] < DISTURBED * statistics.median(fast):
+            if (
+                r.n in speeds
+                and len(fast) >= 2
+                and speeds[r.n] < DISTURBED * statistics.median(fast)
+                and busy_outside(r)
+            ):
                 slowed.add(r.n)
             usual = [v for m, v in shares.items() if m != r.n]
             if len(usual) >= 2 and waited(r, statistics.median(usual)):
