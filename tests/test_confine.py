@@ -267,10 +267,16 @@ def test_an_under_reporting_clock_is_refused(fake_repo, plan):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = read_rows(Paths(repo, "c").ledger)
-    # its first overrun is run again once a run of the baseline measured the start-up (test_clock); the second
-    assert [r.status for r in rows] == ["keep", "discard", "discard", "crash", "keep"], rows
-    assert "overran its budget once" in rows[1].description and "run 2 of it overran too" in rows[3].description
-    assert "budget exceeded: train.py ran" in rows[3].description
+    # beside other users' load its first overrun is run again once a run of the baseline measured the start-up
+    # (test_clock), and the second is its crash; on a machine nobody else keeps busy the first is (a test worker
+    # beside it may be either)
+    if len(rows) == 5:
+        assert [r.status for r in rows] == ["keep", "discard", "discard", "crash", "keep"], rows
+        assert "overran its budget once" in rows[1].description and "run 2 of it overran too" in rows[3].description
+    else:
+        assert [r.status for r in rows] == ["keep", "crash", "keep"], rows
+        assert "on a machine nobody else kept busy" in rows[1].description
+    assert "budget exceeded: train.py ran" in rows[-2].description
 
 
 @pytest.mark.slow

@@ -99,6 +99,31 @@ def test_decide(name, records, runs, mode, expected):
     assert [asdict(r.record) for r in runs] == before  # decide is pure: the records are left as they were
 
 
+def test_a_crashed_confirmation_run_ends_the_candidate_as_with_one_slot():
+    """Two slots confirm a best-of-2 pick at once: one run crashes (the idea's doing: a train.py that exits after
+    seeing an unlucky value), the other is lucky. Judged on the lucky one alone it would be kept; it is discarded,
+    as a crashed run again ends a pending candidate on one slot. A crash put down to the machine changes nothing."""
+    pick = Record(
+        n=2,
+        status="discard",
+        description="idea 2",
+        commit="c2",
+        val_bpb=0.95,
+        device="cpu",
+        gate=Evidence("rerun", runs=1, selection=True),
+        metrics=dict(BASELINE.metrics),
+    )
+    state = replay([BASELINE, pick], "c0")
+    for cause, expected in (("idea", ("discard", "discard")), ("environment", ("keep", "keep"))):
+        lucky, crashed = run(3, 0.9, Kind.CONFIRM, group=2), run(4, None, Kind.CONFIRM, group=2)
+        crashed.record.cause = cause
+        judged = decide(state, [lucky, crashed], Gate("strict"))
+        assert (str(judged[0].status), str(judged[0].gate.decision)) == expected, (cause, judged[0].gate)
+        assert str(judged[1].status) == "crash"
+        if cause == "idea":
+            assert judged[0].gate.note == "discarded: run 4 of it crashed"
+
+
 def test_a_second_slow_run_of_a_configuration_is_its_own_speed():
     """A configuration gets the benefit of the doubt once: run again, a slow run counts."""
     slow = run(2, 0.5, steps=20)

@@ -508,8 +508,9 @@ def test_the_start_up_slack_is_capped_at_a_quarter_of_the_budget():
 def test_a_slowed_clock_is_refused_at_a_small_budget(tiny_env, tmp_path, monkeypatch, clock_slack):
     """End to end, behind a start-up long next to the budget (8 s of set-up for a 5 s budget): a train.py whose
     clock runs at 0.2x trains 5x the budget and reports the budget; it is refused, with the test-only clock slack
-    too (20 s over the budget, the slack is 8 s): its first overrun is run again (the machine's load, perhaps),
-    after a run of the baseline measured the start-up now, and its second is its crash; an honest edit passes."""
+    too (20 s over the budget, the slack is 8 s): on a busy machine its first overrun is run again (the machine's
+    load, perhaps), after a run of the baseline measured the start-up now, and its second is its crash; on a quiet
+    one its first is; an honest edit passes."""
     from orchestrator.core.noise import Gate
 
     for key in ("AUTOLOOP_CACHE", "AUTOLOOP_PROFILE", "AUTOLOOP_DEVICE"):
@@ -554,12 +555,15 @@ def test_a_slowed_clock_is_refused_at_a_small_budget(tiny_env, tmp_path, monkeyp
         echo=lambda line: None,
     )
     rows = read_rows(repo / "results.tsv")
-    assert [r.status for r in rows][0] == "keep" and len(rows) == 5, rows
-    assert rows[1].status == "discard" and "overran its budget once" in rows[1].description, rows[1]
-    assert rows[2].description.startswith("baseline (repeat: measuring the start-up after run 2"), rows[2]
-    assert rows[3].status == "crash" and "budget exceeded" in rows[3].description, rows[3]
-    assert "run 2 of it overran too" in rows[3].description, rows[3]
-    assert rows[4].status in ("keep", "discard"), rows[4]
+    assert [r.status for r in rows][0] == "keep" and len(rows) in (3, 5), rows
+    if len(rows) == 5:  # other users kept the machine busy: the first overrun is perhaps theirs
+        assert rows[1].status == "discard" and "overran its budget once" in rows[1].description, rows[1]
+        assert rows[2].description.startswith("baseline (repeat: measuring the start-up after run 2"), rows[2]
+        assert "run 2 of it overran too" in rows[3].description, rows[3]
+    else:  # a quiet machine: the idea's own at once
+        assert "on a machine nobody else kept busy" in rows[1].description, rows[1]
+    assert rows[-2].status == "crash" and "budget exceeded" in rows[-2].description, rows[-2]
+    assert rows[-1].status in ("keep", "discard"), rows[-1]
 
 
 @pytest.mark.slow

@@ -199,6 +199,43 @@ def test_the_runner_measures_the_share_of_the_cpu_a_run_got_and_what_others_took
     assert share < 0.7 and outside >= 0.7, (share, outside)
 
 
+# a service of the machine (not ours, running before the run): on the run's request it starts busy processes, as
+# the kernel starts a core-dump helper (apport, systemd-coredump) for each crash where core_pattern is a pipe
+SERVICE = (
+    "import os, subprocess, sys, time\n"
+    "while not os.path.exists(sys.argv[1]):\n"
+    "    time.sleep(0.02)\n"
+    "BUSY = 'import time\\nend = time.monotonic() + 5\\nwhile time.monotonic() < end:\\n    pass\\n'\n"
+    "pids = [subprocess.Popen([sys.executable, '-c', BUSY], start_new_session=True).pid for _ in range(6)]\n"
+    "open(sys.argv[1] + '.pids', 'w').write(' '.join(map(str, pids)))\n"
+    "time.sleep(8)\n"
+)
+ASKS = "import sys, time\nopen(sys.argv[1], 'w').close()\nend = time.monotonic() + 3.5\nwhile time.monotonic() < end:\n    pass\n"
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(not Path("/proc/self/schedstat").exists(), reason="needs Linux schedstat")
+def test_what_a_run_has_others_start_for_it_is_not_the_machines_load(tmp_path: Path):
+    flag, script = tmp_path / "asked", tmp_path / "asks.py"
+    script.write_text(ASKS)
+    service = fakes.orphan(SERVICE, str(flag))
+    time.sleep(0.3)
+    try:
+        result = run_command([sys.executable, str(script), str(flag)], tmp_path, {**os.environ}, tmp_path / "a.log", 30)
+        spawned = sum(cpu_seconds(int(pid)) for pid in Path(f"{flag}.pids").read_text().split())  # (still busy)
+    finally:
+        os.kill(service, 9)
+    assert result.exit_code == 0 and result.cpu_outside is not None
+    # the six busy processes ran beside it, but they started after it did (on its request): not counted as the
+    # machine's load, which is what the others kept busy (another test worker, say) without them
+    rate = spawned / result.wall_s
+    assert rate > 0.5 and result.cpu_outside < rate, (result.cpu_share, result.cpu_outside, rate)
+
+
 def test_the_others_are_every_process_but_ours_and_the_kernels():
     """outside() counts the CPU time of the processes that are neither the controller nor its descendants: what
     a run starts, however it detaches or ends (a child the kernel reaps unwaited, its SIGCHLD ignored), is never

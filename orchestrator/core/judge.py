@@ -23,6 +23,7 @@ from .noise import Gate, Verdict, judge
 from .state import (
     CPU_OUTSIDE,
     DISTURBED,
+    Cause,
     Decision,
     Kind,
     State,
@@ -163,9 +164,18 @@ def _judge(state: State, runs: list[Finished], gate: Gate) -> None:
     stopped = [r for r in runs if r.stopped and not r.crashed]
     for run in stopped:  # evidence against it, never for it: discarded (a pending candidate with it)
         run.record.gate = Evidence(Decision.DISCARD, runs=1, why="stopped early", note=run.stopped)
+    # a run of it that crashed (the idea's doing, not the machine's) ends it, as with one slot: else a train.py
+    # could crash its unlucky confirmation runs away and be judged on its lucky ones
+    crashed = [
+        r for r in runs if r.crashed and r.kind in (Kind.RERUN, Kind.CONFIRM) and r.record.cause != Cause.ENVIRONMENT
+    ]
     if any(r.kind in (Kind.RERUN, Kind.CONFIRM) for r in stopped):
         for run in followups:
             run.record.gate = Evidence(Decision.DISCARD, runs=1, note="discarded: another run of it was stopped early")
+    elif crashed:
+        for run in followups:
+            note = f"discarded: run {crashed[0].record.n} of it crashed"
+            run.record.gate = Evidence(Decision.DISCARD, runs=1, note=note)
     elif followups:
         settle(state, followups, parent_on, others(followups[-1]), gate)
     if followups and any(r.record.gate.decision == Decision.RERUN for r in followups):

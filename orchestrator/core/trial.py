@@ -44,7 +44,7 @@ from ..trust.summary import environment_error, last_error_line, parse_summary, r
 from .pipeline import Prepared
 from .plan import Ideas, as_running, refill
 from .progress import Progress, format_eta, last_step, read_curve
-from .state import CPU_OUTSIDE, CPU_SHARE, Cause, Crash, Kind, Phase, State, Status, group_of
+from .state import CPU_OUTSIDE, CPU_SHARE, Cause, Crash, Kind, Phase, State, Status, busy_outside, group_of
 
 if TYPE_CHECKING:
     from .workspace import Workspace
@@ -513,12 +513,17 @@ def learned_startup(state: State, budget: float) -> float | None:
 
 def overrun(state: State, record: Record, crash: Crash) -> tuple[Crash | None, str]:
     """A run the clock audit refused (record.info "overran"): (its crash, '') if a run of its idea overran in an
-    earlier generation too; else (None, why it is a disturbed run): the machine's load is not the idea's crash,
-    so it is not counted and is run again, once a run of the best has measured the start-up now."""
+    earlier generation too, or if no other user kept the machine busy meanwhile (state.busy_outside: the runner's
+    measure, which a run cannot raise); else (None, why it is a disturbed run): the machine's load is not the
+    idea's crash, so it is not counted and is run again, once a run of the best has measured the start-up now."""
     earlier = [r.n for r in state.records if group_of(r) == group_of(record) and r.info.get("overran")]
     if earlier:
         why = f"{crash.reason}; run {earlier[-1]} of it overran too: refused after two overruns"
         return Crash(why, Phase.AUDIT), ""
+    if not busy_outside(record):  # else a train.py could overrun at will the run whose loss it found unlucky
+        outside = record.metrics.get(CPU_OUTSIDE)
+        busy = f"other users' processes kept {outside:.1f} CPUs busy" if outside is not None else "load not measured"
+        return Crash(f"{crash.reason}; on a machine nobody else kept busy ({busy}): the idea's own", Phase.AUDIT), ""
     return None, f"overran its budget once ({crash.reason.removeprefix('budget exceeded: ')})"
 
 

@@ -199,13 +199,18 @@ class CpuShare:
     - outside(): CPUs kept busy on average by the processes of the machine that are neither this process nor
       its descendants (the run, other slots' runs, the proposer's tools) nor kernel threads, each one's own CPU
       time (`/proc/PID/stat`) between readings. What the run starts stays its descendant (the reaper is a child
-      subreaper), however it ends, and a process's own CPU time is the scheduler's exact count.
+      subreaper), however it ends, and a process's own CPU time is the scheduler's exact count. Only processes
+      already running before the command started count: what the kernel or a service starts *because of* the run (a
+      core-dump helper such as apport for each crash of a child, on a machine whose core_pattern is a pipe) is not
+      its descendant, and would let a run raise the others' load at will.
 
     Each None where the kernel keeps no such account (not Linux) or the run ended before the second reading."""
 
     def __init__(self) -> None:
         self.threads: dict[int, tuple[int, int]] = {}  # thread id -> (ns on a CPU, ns ready but waiting), last read
         self.others: dict[int, tuple[int, int]] = {}  # pid -> (start time, CPU ticks) of the others, last read
+        # (pid, start time) of the others running before the command started: made before it is launched
+        self.before = {(other, started) for other, (started, _) in others_now(os.getpid()).items()}
         self.since: float | None = None  # seconds since boot at the first reading
         self.busy = 0  # CPU ticks the others spent since then
         self.span = 0.0  # seconds from the first reading to the last
@@ -228,16 +233,12 @@ class CpuShare:
                 now = float(f.read().split()[0])
         except (OSError, ValueError, IndexError):
             return
-        tick = os.sysconf("SC_CLK_TCK")
-        first = self.since is None
         self.since = now if self.since is None else self.since
         seen = others_now(os.getpid())
         for other, (started, ticks) in seen.items():
-            before = self.others.get(other)
-            if before is not None and before[0] == started:
-                self.busy += ticks - before[1]
-            elif not first and started >= self.since * tick:  # started since the first reading: all of it
-                self.busy += ticks
+            last = self.others.get(other)
+            if (other, started) in self.before and last is not None and last[0] == started:
+                self.busy += ticks - last[1]
         self.others = seen
         self.span = now - self.since
 
@@ -538,6 +539,7 @@ def run_command(
     so does the log's last line.
     """
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    share = CpuShare()  # (the other users' processes running now: only theirs count as the machine's load)
     start = time.monotonic()
     read_end, write_end = os.pipe()
     try:
@@ -570,7 +572,6 @@ def run_command(
     killed = ""
     reaped: dict[int, int | None] = {}
     ticked = measured = shared = time.monotonic()
-    share = CpuShare()
     try:
         while True:
             if not written and (stdin_gate is None or stdin_gate.is_set()):
