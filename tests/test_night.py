@@ -478,7 +478,8 @@ print("num_params_M:     0.1")
 # another user's job: spins while the flag file exists (the run's steps counted beside it), idles otherwise
 HOG = (
     "import os, sys, time\n"
-    "while True:\n"
+    "end = time.monotonic() + 120  # (gone by then, should the test be killed before it kills them)\n"
+    "while time.monotonic() < end:\n"
     "    if os.path.exists(sys.argv[1]):\n"
     "        sum(range(200000))\n"
     "    else:\n"

@@ -166,15 +166,15 @@ def _judge(state: State, runs: list[Finished], gate: Gate) -> None:
         run.record.gate = Evidence(Decision.DISCARD, runs=1, why="stopped early", note=run.stopped)
     # a run of it that crashed (the idea's doing, not the machine's) ends it, as with one slot: else a train.py
     # could crash its unlucky confirmation runs away and be judged on its lucky ones
-    crashed = [
+    broke = [
         r for r in runs if r.crashed and r.kind in (Kind.RERUN, Kind.CONFIRM) and r.record.cause != Cause.ENVIRONMENT
     ]
     if any(r.kind in (Kind.RERUN, Kind.CONFIRM) for r in stopped):
         for run in followups:
             run.record.gate = Evidence(Decision.DISCARD, runs=1, note="discarded: another run of it was stopped early")
-    elif crashed:
+    elif broke:
         for run in followups:
-            note = f"discarded: run {crashed[0].record.n} of it crashed"
+            note = f"discarded: run {broke[0].record.n} of it crashed"
             run.record.gate = Evidence(Decision.DISCARD, runs=1, note=note)
     elif followups:
         settle(state, followups, parent_on, others(followups[-1]), gate)

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -199,18 +199,16 @@ class CpuShare:
     - outside(): CPUs kept busy on average by the processes of the machine that are neither this process nor
       its descendants (the run, other slots' runs, the proposer's tools) nor kernel threads, each one's own CPU
       time (`/proc/PID/stat`) between readings. What the run starts stays its descendant (the reaper is a child
-      subreaper), however it ends, and a process's own CPU time is the scheduler's exact count. Only processes
-      already running before the command started count: what the kernel or a service starts *because of* the run (a
-      core-dump helper such as apport for each crash of a child, on a machine whose core_pattern is a pipe) is not
-      its descendant, and would let a run raise the others' load at will.
+      subreaper), however it ends, and a process's own CPU time is the scheduler's exact count. Nor do the
+      processes the kernel starts (its threads and the user-space helpers it spawns under kthreadd: a core-dump
+      helper such as apport for each crash, modprobe for a socket of an unknown family, which a run could ask for
+      at will), nor the runs of any autoloop (under a reaper: another slot's on a Ray or Slurm node).
 
     Each None where the kernel keeps no such account (not Linux) or the run ended before the second reading."""
 
     def __init__(self) -> None:
         self.threads: dict[int, tuple[int, int]] = {}  # thread id -> (ns on a CPU, ns ready but waiting), last read
         self.others: dict[int, tuple[int, int]] = {}  # pid -> (start time, CPU ticks) of the others, last read
-        # (pid, start time) of the others running before the command started: made before it is launched
-        self.before = {(other, started) for other, (started, _) in others_now(os.getpid()).items()}
         self.since: float | None = None  # seconds since boot at the first reading
         self.busy = 0  # CPU ticks the others spent since then
         self.span = 0.0  # seconds from the first reading to the last
@@ -233,12 +231,15 @@ class CpuShare:
                 now = float(f.read().split()[0])
         except (OSError, ValueError, IndexError):
             return
+        first = self.since is None
         self.since = now if self.since is None else self.since
         seen = others_now(os.getpid())
         for other, (started, ticks) in seen.items():
-            last = self.others.get(other)
-            if (other, started) in self.before and last is not None and last[0] == started:
-                self.busy += ticks - last[1]
+            before = self.others.get(other)
+            if before is not None and before[0] == started:
+                self.busy += ticks - before[1]
+            elif not first and started >= self.since * os.sysconf("SC_CLK_TCK"):  # started since the first reading
+                self.busy += ticks
         self.others = seen
         self.span = now - self.since
 
@@ -257,31 +258,60 @@ class CpuShare:
 PF_KTHREAD = 0x00200000  # /proc/PID/stat flags: a kernel thread
 
 
+KTHREADD = 2  # the kernel's thread of threads: parent of its threads and of the user-space helpers it spawns
+
+
 def others_now(controller: int) -> dict[int, tuple[int, int]]:
-    """pid -> (start time, CPU ticks of its own threads) of every process that is neither `controller` nor its
-    descendant nor a kernel thread (one pass over /proc: each process's parent, flags, start and CPU time)."""
+    """pid -> (start time, CPU ticks of its own threads) of every process that is not the controller's, the
+    kernel's or an autoloop run's (`theirs`; one pass over /proc: each process's parent, flags, start and CPU
+    time, and the command line of those that may be a reaper)."""
     seen: dict[int, tuple[int, int, int, int]] = {}  # pid -> (parent, flags, start time, CPU ticks)
+    reapers: set[int] = set()
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
         try:
             with open(f"/proc/{name}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
+                comm, rest = f.read().rsplit(b")", 1)
+                fields = rest.split()
             seen[int(name)] = (int(fields[1]), int(fields[6]), int(fields[19]), int(fields[11]) + int(fields[12]))
+            if comm.startswith(b"python", comm.find(b"(") + 1) and is_reaper(int(name)):
+                reapers.add(int(name))
         except (OSError, ValueError, IndexError):
             continue
+    return theirs(seen, controller, reapers)
+
+
+def is_reaper(pid: int) -> bool:
+    """Is this process an autoloop reaper (`under_reaper`: python -I -S .../executors/runner.py ...)?"""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return False
+    return len(argv) > 3 and argv[1:3] == [b"-I", b"-S"] and argv[3].endswith(b"/executors/runner.py")
+
+
+def theirs(
+    seen: dict[int, tuple[int, int, int, int]], controller: int, reapers: Collection[int] = ()
+) -> dict[int, tuple[int, int]]:
+    """Of `seen` (pid -> (parent, flags, start time, CPU ticks)), the other users' processes: pid -> (start
+    time, CPU ticks), leaving out the trees of the controller, of kthreadd (the kernel's threads and the helpers
+    it spawns on a run's behalf) and of every autoloop reaper (autoloop runs, this session's on other nodes' slots
+    or another session's: a run of ours may look like another user's to a slot beside it), and kernel threads."""
     children: dict[int, list[int]] = {}
     for pid, (parent, *_) in seen.items():
         children.setdefault(parent, []).append(pid)
-    mine, todo = set(), [controller]
+    ours, todo = set(), [controller, KTHREADD, *reapers]
     while todo:
         pid = todo.pop()
-        mine.add(pid)
-        todo.extend(children.get(pid, ()))
+        if pid not in ours:
+            ours.add(pid)
+            todo.extend(children.get(pid, ()))
     return {
         pid: (start, ticks)
         for pid, (_, flags, start, ticks) in seen.items()
-        if pid not in mine and not flags & PF_KTHREAD
+        if pid not in ours and not flags & PF_KTHREAD
     }
 
 
@@ -473,6 +503,11 @@ def _limit_memory(address_limit: int) -> None:
     (never the controller)."""
     if address_limit > 0:
         resource.setrlimit(resource.RLIMIT_AS, (address_limit, address_limit))
+    try:  # no core dumps, a hard limit a run cannot raise: 1 (not 0) stops a pipe's helper too (core_pattern
+        # "|apport ...": the kernel ignores the limit for pipes but for 1), which would burn CPU outside the run
+        resource.setrlimit(resource.RLIMIT_CORE, (1, 1))
+    except (OSError, ValueError):  # (a hard limit of 0 already: no core file; a pipe's helper still runs)
+        pass
     try:
         with open("/proc/self/oom_score_adj", "w") as f:
             f.write("1000")
@@ -539,7 +574,6 @@ def run_command(
     so does the log's last line.
     """
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    share = CpuShare()  # (the other users' processes running now: only theirs count as the machine's load)
     start = time.monotonic()
     read_end, write_end = os.pipe()
     try:
@@ -572,6 +606,7 @@ def run_command(
     killed = ""
     reaped: dict[int, int | None] = {}
     ticked = measured = shared = time.monotonic()
+    share = CpuShare()
     try:
         while True:
             if not written and (stdin_gate is None or stdin_gate.is_set()):
