@@ -220,6 +220,9 @@ def test_the_kernels_helpers_and_every_autoloop_run_are_not_other_users_load():
     }
     assert theirs(seen, 100, {300}) == {1: (1, 5), 700: (30, 60)}
     assert set(theirs(seen, 100)) == {1, 300, 301, 302, 700}  # (reapers unknown: another slot's run is theirs)
+    # in a container's PID namespace pid 2 is anybody's (kthreadd and its helpers are out of sight)
+    contained = {1: (0, 0, 1, 5), 2: (1, 0, 3, 50), 3: (2, 0, 4, 9), 100: (1, 0, 50, 7), 101: (100, 0, 60, 90)}
+    assert set(theirs(contained, 100)) == {1, 2, 3}
 
 
 def test_a_reaper_is_known_by_its_command_line(tmp_path: Path):

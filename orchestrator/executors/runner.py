@@ -258,9 +258,6 @@ class CpuShare:
 PF_KTHREAD = 0x00200000  # /proc/PID/stat flags: a kernel thread
 
 
-KTHREADD = 2  # the kernel's thread of threads: parent of its threads and of the user-space helpers it spawns
-
-
 def others_now(controller: int) -> dict[int, tuple[int, int]]:
     """pid -> (start time, CPU ticks of its own threads) of every process that is not the controller's, the
     kernel's or an autoloop run's (`theirs`; one pass over /proc: each process's parent, flags, start and CPU
@@ -302,7 +299,10 @@ def theirs(
     children: dict[int, list[int]] = {}
     for pid, (parent, *_) in seen.items():
         children.setdefault(parent, []).append(pid)
-    ours, todo = set(), [controller, KTHREADD, *reapers]
+    # kthreadd: the kernel thread with no parent (pid 2 where the PID namespace is the machine's; out of sight in a
+    # container's, as is what it spawns)
+    kthreadd = [pid for pid, (parent, flags, *_) in seen.items() if parent == 0 and flags & PF_KTHREAD]
+    ours, todo = set(), [controller, *kthreadd, *reapers]
     while todo:
         pid = todo.pop()
         if pid not in ours:
