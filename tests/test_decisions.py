@@ -3,7 +3,7 @@ records. No git, no processes: each row is a state, what finished, and what must
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 
@@ -103,15 +103,14 @@ def test_a_crashed_confirmation_run_ends_the_candidate_as_with_one_slot():
     """Two slots confirm a best-of-2 pick at once: one run crashes (the idea's doing: a train.py that exits after
     seeing an unlucky value), the other is lucky. Judged on the lucky one alone it would be kept; it is discarded,
     as a crashed run again ends a pending candidate on one slot. A crash put down to the machine changes nothing."""
-    pick = Record(
+    pick = replace(
+        BASELINE,
         n=2,
         status="discard",
         description="idea 2",
         commit="c2",
         val_bpb=0.95,
-        device="cpu",
         gate=Evidence("rerun", runs=1, selection=True),
-        metrics=dict(BASELINE.metrics),
     )
     state = replay([BASELINE, pick], "c0")
     for cause, expected in (("idea", ("discard", "discard")), ("environment", ("keep", "keep"))):

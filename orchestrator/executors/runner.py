@@ -231,6 +231,7 @@ class CpuShare:
                 now = float(f.read().split()[0])
         except (OSError, ValueError, IndexError):
             return
+        tick = os.sysconf("SC_CLK_TCK")
         first = self.since is None
         self.since = now if self.since is None else self.since
         seen = others_now(os.getpid())
@@ -238,7 +239,7 @@ class CpuShare:
             before = self.others.get(other)
             if before is not None and before[0] == started:
                 self.busy += ticks - before[1]
-            elif not first and started >= self.since * os.sysconf("SC_CLK_TCK"):  # started since the first reading
+            elif not first and started >= self.since * tick:  # started since the first reading: all of it
                 self.busy += ticks
         self.others = seen
         self.span = now - self.since
