@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -272,3 +273,44 @@ def test_the_others_are_every_process_but_ours_and_the_kernels():
         os.kill(theirs, 9)
         run.kill()
         run.wait()
+
+
+def namespaced(code: str, mount: str = "") -> subprocess.CompletedProcess:
+    """Python `code` run in a PID namespace of its own with its own /proc (mounted with `mount`'s options), as
+    in a container: the machine's other processes are out of its sight. Skips where namespaces are not allowed."""
+    script = f'mount -t proc {mount} proc /proc && exec {sys.executable} -c "$0"'
+    argv = ["unshare", "--pid", "--fork", "--mount"] + ([] if os.geteuid() == 0 else ["--user", "--map-root-user"])
+    if shutil.which("unshare") is None or subprocess.run([*argv, "true"], capture_output=True).returncode:
+        pytest.skip("needs unshare and PID namespaces")
+    return subprocess.run([*argv, "sh", "-c", script, code], capture_output=True, text=True, timeout=60)
+
+
+def test_doctor_warns_where_other_processes_load_is_out_of_sight():
+    """`autoloop doctor`'s load check: two busy processes of another user are in sight here (no warning), and out
+    of sight from a container's PID namespace, whose runs they would slow unseen (a warning naming that load)."""
+    from orchestrator.doctor import check_load
+
+    burners = [
+        fakes.orphan("import time\nend = time.monotonic() + 30\nwhile time.monotonic() < end: pass") for _ in "ab"
+    ]
+    try:
+        time.sleep(0.5)
+        assert check_load(2.0).status == "ok"
+        inside = namespaced(
+            "from orchestrator.doctor import check_load; f = check_load(2.0); print(f.status, f.detail)"
+        )
+        assert inside.stdout.startswith("warn"), inside.stdout + inside.stderr
+        busy = float(inside.stdout.split()[1])
+        assert busy >= 0.5 and "out of sight" in inside.stdout
+    finally:
+        for pid in burners:
+            os.kill(pid, 9)
+
+
+def test_a_proc_mounted_with_hidepid_is_seen_to_hide_processes():
+    from orchestrator.doctor import hides_processes
+
+    assert not hides_processes()
+    code = "from orchestrator.doctor import hides_processes; print(hides_processes())"
+    assert namespaced(code, "-o hidepid=2").stdout.strip() == "True"
+    assert namespaced(code).stdout.strip() == "False"

@@ -316,6 +316,42 @@ def theirs(
     }
 
 
+def cpu_accounts() -> tuple[int, int] | None:
+    """(CPU ticks the machine spent in user and system mode since boot, from /proc/stat; CPU ticks of every
+    process in sight, kernel threads included, each with those of the children it reaped), or None where the
+    kernel keeps no such accounts (not Linux). Between two readings the first grows by what every process on the
+    machine spent, the second by what the processes in sight spent, including those that ended meanwhile (their
+    time moves to the parent that reaps them); what is left is the load out of sight (`hidden_load`)."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            fields = f.readline().split()
+        machine = sum(int(v) for v in fields[1:4])  # user, nice, system (interrupts: nobody's process's)
+    except (OSError, ValueError):
+        return None
+    seen = 0
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    seen += sum(int(v) for v in f.read().rsplit(b")", 1)[1].split()[11:15])
+            except (OSError, ValueError):
+                continue
+    return machine, seen
+
+
+def hidden_load(seconds: float = 1.0) -> float | None:
+    """CPUs kept busy on average over `seconds` by processes out of sight here (another container's, other
+    users' under /proc's hidepid): CpuShare cannot count them, so a run they slow looks like the idea's own.
+    None where the kernel keeps no accounts."""
+    before, t0 = cpu_accounts(), time.monotonic()
+    time.sleep(seconds)
+    after, t1 = cpu_accounts(), time.monotonic()
+    if before is None or after is None:
+        return None
+    hidden = (after[0] - before[0]) - (after[1] - before[1])
+    return max(0.0, hidden / os.sysconf("SC_CLK_TCK") / (t1 - t0))
+
+
 def tree_memory(pid: int, limit: int | None = None) -> int:
     """Bytes of memory the process tree under pid holds that only it can give back: anonymous and shared memory,
     each page shared between its processes (forked workers) counted once (PSS); file pages the kernel may drop
