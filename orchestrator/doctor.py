@@ -88,7 +88,7 @@ def run_checks(settings: Settings) -> list[Finding]:
     findings.append(check_sandbox(settings, (info.profile if info else None) or settings.profile))
     findings.append(check_data(settings, info))
     findings.append(check_disk(settings, info))
-    findings.append(check_load())
+    findings.append(check_load(settings))
     findings.append(check_extras(settings))
     if settings.executor == "slurm":
         findings.append(check_slurm(settings.executor_options))
@@ -385,51 +385,56 @@ def check_disk(settings: Settings, info, slots: int | None = None) -> Finding:
     return Finding("disk", OK, text)
 
 
-def check_load(seconds: float = 1.0) -> Finding:
+def check_load(settings: Settings | None = None, seconds: float = 1.0) -> Finding:
     """Whether the load other processes put on the machine is in sight (runner.CpuShare counts it: a run that
     waited for the CPU while others kept it busy is set aside and run again). Out of sight (another container's
-    processes, other users' under /proc's hidepid) a run they slow is judged as the idea's own: warn where some
-    CPU time now is nobody's in sight (runner.hidden_load), or where /proc hides other users' processes."""
+    processes, other users' under /proc's hidepid) a run they slow is judged as the idea's own: warn where at
+    least state.BUSY CPUs' time now is nobody's in sight (runner.hidden_load), or where /proc hides other users'
+    processes from this user. Runs on other machines (Ray, Slurm) are measured there: not checked here."""
+    if settings is not None and settings.executor not in ("local", "inline"):
+        return Finding("load", OK, f"not checked here: runs train on other machines (--executor {settings.executor})")
     hidden = hidden_load(seconds)
     if hidden is None:
         return Finding("load", OK, "not measured here (no /proc): no run is set aside as slowed by other processes")
-    fix = (
-        "run the loop where the machine's processes are in sight (on the host, or a container started with "
-        "--pid=host), or where nobody else's jobs run"
-    )
     if hidden >= BUSY:
         return Finding(
             "load",
             WARN,
             f"{hidden:.1f} CPUs busy with processes out of sight (another container's?): a run they slow is judged "
             "as the idea's own (docs/trust.md)",
-            fix,
+            "run the loop where the machine's processes are in sight (on the host, or a container started with "
+            "--pid=host), or where nobody else's jobs run",
         )
-    if os.geteuid() != 0 and hides_processes():
+    if hides_processes():
         return Finding(
             "load",
             WARN,
             "/proc is mounted with hidepid: other users' processes are out of sight, so a run they slow is judged "
             "as the idea's own (docs/trust.md)",
-            fix,
+            "mount /proc without hidepid (or add this user to the group its gid= option names), or run the loop "
+            "where nobody else's jobs run",
         )
-    return Finding("load", OK, f"no CPU time out of sight ({hidden:.1f} CPUs): a run others slow is run again")
+    return Finding("load", OK, f"the machine's load is in sight ({hidden:.1f} CPUs out of sight, under {BUSY:g})")
 
 
 def hides_processes() -> bool:
-    """Is /proc mounted with hidepid (other users' processes out of sight for all but root)?"""
+    """Does /proc hide other users' processes from this one (mounted with hidepid, this user neither root nor
+    in the group its gid= option exempts)?"""
     try:
         lines = Path("/proc/self/mountinfo").read_text().splitlines()
     except OSError:
         return False
-    hides = False
+    options: list[str] = []
     for line in lines:  # the last mount at /proc is the one in sight (one may be mounted over another)
         mount, _, rest = line.partition(" - ")
-        fields, options = mount.split(), rest.split()[2:3]
-        if len(fields) > 4 and fields[4] == "/proc" and options:
-            hide = [o.split("=", 1)[1] for o in options[0].split(",") if o.startswith("hidepid=")]
-            hides = any(h not in ("0", "off") for h in hide)
-    return hides
+        fields = mount.split()
+        if len(fields) > 4 and fields[4] == "/proc" and len(rest.split()) > 2:
+            options = rest.split()[2].split(",")
+    values = dict(o.split("=", 1) for o in options if "=" in o)
+    if values.get("hidepid", "0") in ("0", "off") or os.geteuid() == 0:
+        return False
+    gid = values.get("gid")
+    return not (gid and gid.isdigit() and int(gid) in (os.getegid(), *os.getgroups()))
 
 
 def check_extras(settings: Settings) -> Finding:
