@@ -17,7 +17,10 @@ Compute is counted in runs' worth: a run trained to the end costs 1, a stopped r
 ran. The table gives the true improvement (the baseline's true val_bpb minus the kept best's) once each
 checkpoint's compute is spent: median [quartiles] over the seeds, the paired one-sided Wilcoxon test "better
 than upstream", the ratio of medians, and per arm the keeps, the false keeps (kept, and truly not better than
-the best it replaced), the ideas judged per 100 runs' worth, and the share of truly better ideas stopped early.
+the best it replaced), the ideas judged per 100 runs' worth, and the share of truly better ideas stopped early;
+and each arm's median as a share of the landscape's ceiling (`ceiling`: the best configuration the model knows).
+`--out` is written as sessions end: an interrupted run keeps them (`--arms '' --reuse FILE` reports them again,
+on the seeds every arm has).
 
     python benchmarks/night_value.py --surrogate benchmarks/surrogate/tiny-5s.npz --seeds 20 --runs 300 --jobs 2
     python benchmarks/night_value.py ... --drift 1.5    # a machine drifting by +-1.5 baseline sd (period 40 runs)
@@ -27,11 +30,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import statistics
 import sys
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -86,26 +91,102 @@ def quartiles(values: list[float]) -> str:
     return f"{statistics.median(values):.4f} [{q[0]:.4f}, {q[2]:.4f}]"
 
 
+def grid(p, points: int = 65) -> list:
+    """Values of one dimension across its range, as the proposers write them (every choice; powers of two)."""
+    from orchestrator.proposers.space import rounded
+
+    if p.kind == "choice":
+        return list(p.choices)
+    if p.kind == "pow2":
+        return [2**k for k in range(math.ceil(math.log2(max(p.low, 1))), math.floor(math.log2(p.high)) + 1)]
+    if p.kind == "int":
+        return sorted({round(p.low + (p.high - p.low) * i / (points - 1)) for i in range(points)})
+    if p.kind == "log":
+        return [rounded(p.low * (p.high / p.low) ** (i / (points - 1)), p.kind) for i in range(points)]
+    if p.kind == "unit":  # spaced in log(1 - x), as the proposers sample it (a beta near 1)
+        low, high = math.log(1 - p.high), math.log(1 - p.low)
+        return [rounded(1 - math.exp(low + (high - low) * i / (points - 1)), p.kind) for i in range(points)]
+    return [rounded(p.low + (p.high - p.low) * i / (points - 1), p.kind) for i in range(points)]
+
+
+def worth(surrogate, configs: list[dict]):
+    """The model's true val_bpb of each configuration; infinite where it more likely crashes than not."""
+    import numpy as np
+
+    mean, _, crash = surrogate.predict(configs)
+    return np.where(crash < 0.5, mean, np.inf)
+
+
+def ceiling(
+    model: Path, profile: str, draws: int = 20_000, starts: int = 20, seed: int = 0
+) -> tuple[float, float, dict]:
+    """(the baseline's true val_bpb, the best value the model knows, its configuration): the best `starts` of
+    `draws` random configurations of train.py's space, each improved one dimension at a time (each tried at every
+    `grid` value) until no move helps, and the best they reach.
+    Their difference is the ceiling of any arm's improvement on this landscape."""
+    import random
+
+    from model import Surrogate
+
+    from orchestrator.proposers.random_search import sample
+    from orchestrator.proposers.space import read_space, rounded
+
+    space, default = read_space((ROOT / "train.py").read_text(), profile)
+    surrogate, rng = Surrogate.load(model), random.Random(seed)
+    configs = [{n: rounded(sample(p, rng), p.kind) for n, p in space.items()} for _ in range(draws)]
+    configs.append(default)
+    values = worth(surrogate, configs)
+    found: list[tuple[float, dict]] = []
+    for start in [*values.argsort()[:starts], len(configs) - 1]:  # local optima: several starts, the default's
+        best, value, improved = configs[int(start)], float(values[start]), True
+        while improved:
+            improved = False
+            for name, p in space.items():
+                moves = [{**best, name: v} for v in grid(p)]
+                tried = worth(surrogate, moves)
+                if float(tried.min()) < value - 1e-9:
+                    best, value, improved = moves[int(tried.argmin())], float(tried.min()), True
+        found.append((value, best))
+    value, best = min(found, key=lambda f: f[0])
+    return float(surrogate.predict([default])[0][0]), value, best
+
+
 def report(args, results: list[dict], wall: float) -> None:
     from scipy.stats import wilcoxon
 
     checkpoints = [k for k in (int(c) for c in args.checkpoints.split(",")) if k <= args.runs]
     print(
-        f"\n{args.surrogate.name}: {args.seeds} paired seeds x {args.runs} runs per arm, methods {args.methods}"
+        f"\n{args.surrogate.name}: {args.runs} runs per arm, methods {args.methods}"
         + (f", drift +-{args.drift:g} baseline sd over {args.period} runs" if args.drift else "")
         + (f", noise x{args.noise_scale:g}" if args.noise_scale != 1 else "")
         + f"; {wall:.0f} s"
     )
     arms = [a for a in ARMS if any(r["arm"] == a for r in results)]
+    base, top, _ = ceiling(args.surrogate, args.profile)
+    print(
+        f"the baseline's true val_bpb {base:.4f}; the best configuration the model knows {top:.4f}: the ceiling of "
+        f"any arm's improvement is {base - top:.4f}"
+    )
     for method in args.methods.split(","):
+        mine = [r for r in results if r["method"] == method]
+        seeds = set.intersection(*({r["seed"] for r in mine if r["arm"] == arm} for arm in arms)) if arms else set()
+        if not seeds:  # paired: the seeds every arm has
+            print(f"\n{method}: no seed that every arm has")
+            continue
         by = {
-            arm: sorted((r for r in results if r["arm"] == arm and r["method"] == method), key=lambda r: r["seed"])
+            arm: sorted((r for r in mine if r["arm"] == arm and r["seed"] in seeds), key=lambda r: r["seed"])
             for arm in arms
         }
-        print(f"\n{method}: true improvement (baseline minus kept best, noise-free), median [quartiles]")
+        print(
+            f"\n{method} ({len(seeds)} paired seeds): true improvement (baseline minus kept best, noise-free), "
+            "median [quartiles]"
+        )
         print(f"{'arm':13s} " + " ".join(f"{'after ' + str(k) + ' runs':>26s}" for k in checkpoints))
         for arm, runs in by.items():
             print(f"{arm:13s} " + " ".join(f"{quartiles([improvement(r, k) for r in runs]):>26s}" for k in checkpoints))
+        for arm, runs in by.items():
+            shares = [statistics.median(improvement(r, k) for r in runs) / max(base - top, 1e-9) for k in checkpoints]
+            print(f"{arm:13s} share of the ceiling (its median): " + " / ".join(f"{s:.0%}" for s in shares))
         for arm in (a for a in arms if a != "upstream" and "upstream" in by):
             for k in checkpoints:
                 a = [improvement(r, k) for r in by[arm]]
@@ -176,6 +257,7 @@ def main() -> int:
     _, default = read_space((ROOT / "train.py").read_text(), args.profile)
     baseline_sd = args.baseline_sd = float(Surrogate.load(args.surrogate).predict([default])[1][0])
     drift = (args.drift * baseline_sd, args.period)
+    earlier = json.loads(args.reuse.read_text())["results"] if args.reuse else []  # before --out may replace it
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp, ProcessPoolExecutor(args.jobs, initializer=die_with_parent) as pool:
         jobs = [
@@ -204,14 +286,21 @@ def main() -> int:
         jobs = [(j[0], *j[1:5], j[5], j[6], str(Path(tmp) / j[0]), *j[8:]) for j in jobs]
         for arm in ARMS:
             (Path(tmp) / arm).mkdir()
-        results = list(pool.map(session, jobs))
-    if args.reuse:
-        earlier = json.loads(args.reuse.read_text())["results"]
-        results += [r for r in earlier if r["arm"] not in args.arms]
+        results = [r for r in earlier if r["arm"] not in args.arms]
+        for done in as_completed([pool.submit(session, job) for job in jobs]):  # --out kept up as sessions end
+            results.append(done.result())
+            save(args, results)
     report(args, results, time.monotonic() - t0)
-    if args.out:
-        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results}))
+    save(args, results)
     return 0
+
+
+def save(args, results: list[dict]) -> None:
+    """The raw results as JSON at --out, replaced whole (report them again with `--arms '' --reuse FILE`)."""
+    if args.out:
+        part = args.out.with_name(args.out.name + ".part")
+        part.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results}))
+        os.replace(part, args.out)
 
 
 if __name__ == "__main__":

@@ -251,3 +251,24 @@ def test_the_benchmark_stops_losing_runs_of_the_real_loop_and_counts_their_compu
     assert true_value(source, "tiny", str(curve_model)) == pytest.approx(finished.metrics["true_bpb"], abs=2e-6)
     stopped_ideas = [gain for gain, _, stop in result["candidates"] if stop]
     assert stopped_ideas and min(stopped_ideas) < -1.0  # stopped ideas count, with their true gain: losers mostly
+
+
+def test_the_ceiling_is_a_configuration_no_single_move_improves():
+    """night_value.ceiling, the best configuration a fitted model knows (the ceiling of any arm's improvement):
+    below the baseline and below every random configuration it started from, and a local optimum: no value of
+    any one dimension (on its grid) is better."""
+    from night_value import ceiling, grid
+
+    from orchestrator.proposers.random_search import sample
+    from orchestrator.proposers.space import read_space
+
+    model = ROOT / "benchmarks" / "surrogate" / "tiny-5s.npz"
+    base, top, best = ceiling(model, "tiny", draws=500, starts=2)
+    space, _ = read_space((ROOT / "train.py").read_text(), "tiny")
+    surrogate = Surrogate.load(model)
+    assert top < base and surrogate.predict([best])[0][0] == pytest.approx(top)
+    rng = random.Random(0)
+    drawn = [{n: sample(p, rng) for n, p in space.items()} for _ in range(200)]
+    assert top <= surrogate.predict(drawn)[0].min()
+    for name, p in space.items():
+        assert surrogate.predict([{**best, name: v} for v in grid(p)])[0].min() >= top - 1e-9, name
