@@ -393,7 +393,7 @@ def check_load(settings: Settings | None = None, seconds: float = 1.0) -> Findin
     processes from this user. Runs on other machines (Ray, Slurm) are measured there: not checked here."""
     if settings is not None and settings.executor not in ("local", "inline"):
         return Finding("load", OK, f"not checked here: runs train on other machines (--executor {settings.executor})")
-    hidden = hidden_load(seconds)
+    hidden = hidden_load(seconds, confirm=BUSY)
     if hidden is None:
         return Finding("load", OK, "not measured here (no /proc): no run is set aside as slowed by other processes")
     if hidden >= BUSY:

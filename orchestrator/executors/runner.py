@@ -339,12 +339,12 @@ def cpu_accounts() -> tuple[int, int] | None:
     return machine, seen
 
 
-def hidden_load(seconds: float = 1.0, tries: int = 2) -> float | None:
+def hidden_load(seconds: float = 1.0, tries: int = 2, confirm: float = 0.0) -> float | None:
     """CPUs kept busy on average over `seconds` by processes out of sight here (another container's, other
     users' under /proc's hidepid): CpuShare cannot count them, so a run they slow looks like the idea's own.
-    The least of `tries` samples: a process that ends during a reading of /proc after its parent was read is
-    in neither, and its whole CPU time would read as out of sight (out-of-sight load stays). None where the
-    kernel keeps no accounts."""
+    The least of `tries` samples, taken again only while at least `confirm`: a process that ends during a reading
+    of /proc after its parent was read is in neither, and its whole CPU time would read as out of sight
+    (out-of-sight load stays). None where the kernel keeps no accounts."""
     least = None
     for _ in range(tries):
         before, t0 = cpu_accounts(), time.monotonic()
@@ -354,7 +354,7 @@ def hidden_load(seconds: float = 1.0, tries: int = 2) -> float | None:
             return None
         hidden = max(0.0, ((after[0] - before[0]) - (after[1] - before[1])) / os.sysconf("SC_CLK_TCK") / (t1 - t0))
         least = hidden if least is None else min(least, hidden)
-        if least < 0.5:  # state.BUSY: nothing to confirm
+        if least < confirm:  # nothing to confirm
             break
     return least
 
